@@ -1,0 +1,53 @@
+"""The attention backend interface: one metadata object per step, shared by all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flat batch and where its KV lives.
+
+    The batch is flattened: sequence i owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; its keys are the ``seq_lens[i]`` tokens of
+    context *including* the new ones, found through ``block_table[i]``. A new token at query
+    offset ``j`` attends to key positions ``< seq_lens[i] - query_len_i + j + 1``.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], on the model's device
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; block_id * block_size + offset, -1 = skip
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the small per-sequence arrays, so CPU backends need no device sync.
+    query_start_loc_cpu: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens_cpu: torch.Tensor  # int32 [num_seqs]
+
+
+class AttentionBackend(Protocol):
+    """What every backend (torch, triton) provides; the model calls only these two."""
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

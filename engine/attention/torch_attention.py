@@ -1,0 +1,128 @@
+"""The `torch` attention backend: paged KV through plain indexing and PyTorch's SDPA.
+
+It is the CPU default and the reference the Triton backend is tested against. Host work is
+O(num_seqs): all decodes (query length 1) share one batched SDPA call over K/V gathered into a
+padded tensor; each prefill chunk gets its own call with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tidegate.engine.attention.backend import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Paged attention for mixed prefill/decode batches with PyTorch ops only."""
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store each token's key/value at its slot; tokens with a negative slot are skipped."""
+        slots = meta.slot_mapping[: meta.num_tokens]
+        key, value = key[: meta.num_tokens], value[: meta.num_tokens]
+        valid = slots >= 0
+        # One host sync on a GPU; this backend's priority there is being obviously right.
+        if not bool(valid.all()):
+            key, value, slots = key[valid], value[valid], slots[valid]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each new token over its sequence's cached keys."""
+        out = torch.empty_like(query)
+        out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
+        starts = meta.query_start_loc_cpu[: meta.num_seqs + 1].long()
+        seq_lens = meta.seq_lens_cpu[: meta.num_seqs].long()
+        query_lens = starts[1:] - starts[:-1]
+        decodes = (query_lens == 1).nonzero().flatten()
+        if decodes.numel() > 0:
+            rows = starts[decodes].to(query.device)
+            tables = meta.block_table[decodes.to(query.device)]
+            q = query.index_select(0, rows)
+            o = _decode_batch(q, k_cache, v_cache, tables, seq_lens[decodes], softmax_scale)
+            out.index_copy_(0, rows, o)
+        for i in (query_lens > 1).nonzero().flatten().tolist():
+            start, end = int(starts[i]), int(starts[i + 1])
+            q = query[start:end]
+            seq_len = int(seq_lens[i])
+            block_table = meta.block_table[i]
+            out[start:end] = _prefill_one(q, k_cache, v_cache, block_table, seq_len, softmax_scale)
+        return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One SDPA call for D single-token queries [D, H, Dh], keys padded to the longest."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    # Block-table padding may hold anything (even -1); the keys it points to are masked out.
+    tables = block_tables[:, :num_blocks].long().clamp_min(0)
+    keys = _heads_first(k_cache[tables].flatten(1, 2))  # [D, Hkv, S, Dh]
+    values = _heads_first(v_cache[tables].flatten(1, 2))
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    # The query heads sharing a KV head act as that head's "query positions" (GQA), so no
+    # K/V is repeated; the mask [D, 1, 1, S] hides each sequence's padding.
+    q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    key_pos = torch.arange(keys.shape[2], device=query.device)
+    mask = key_pos[None, :] < seq_lens.to(query.device)[:, None]
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], scale=scale)
+    return o.reshape(num_decodes, num_heads, head_dim)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[..., S, H, D] -> [..., H, S, D]."""
+    return x.transpose(-3, -2)
+
+
+def _prefill_one(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one sequence's chunk of L new tokens, after seq_len - L cached ones."""
+    query_len = query.shape[0]
+    context_len = seq_len - query_len
+    block_size = k_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    keys = _heads_first(k_cache[blocks].flatten(0, 1)[:seq_len])  # [Hkv, S, Dh]
+    values = _heads_first(v_cache[blocks].flatten(0, 1)[:seq_len])
+    q = _heads_first(query)  # [H, L, Dh]
+    if context_len == 0:
+        o = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        # SDPA's is_causal aligns to the top-left; the chunk sits at the bottom-right.
+        key_pos = torch.arange(seq_len, device=query.device)
+        query_pos = torch.arange(context_len, seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    return _heads_first(o)

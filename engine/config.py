@@ -1,0 +1,65 @@
+"""Engine arguments, declared once: the offline API, the CLI and the operator read them here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else is said
+
+
+class EngineArgs(BaseModel):
+    """Everything that shapes one engine instance. Field names are vLLM's where one exists."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(description="Path of a local Hugging Face model folder.")
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; auto takes the model config's."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt plus output; defaults to the model's limit."
+    )
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
+    num_gpu_blocks: int | None = Field(
+        None, ge=1, description="Number of KV-cache blocks; overrides kv_cache_memory."
+    )
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="Bytes of KV cache (default 1 GiB on CPU, 90% of free on GPU)."
+    )
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step: prefill chunks plus decodes."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most requests in one step.")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Most tokens one request may take in a step; 0 means no cap."
+    )
+    max_num_partial_prefills: int = Field(
+        1, ge=1, description="Prompts that may be part-way through prefill at once."
+    )
+    max_long_partial_prefills: int = Field(
+        1,
+        ge=1,
+        description="Of those, prompts longer than long_prefill_token_threshold; fewer lets "
+        "short prompts overtake a long one.",
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Attention kernels: triton on CUDA, torch on CPU when auto."
+    )
+    seed: int = Field(0, ge=0, description="Seed for requests that give none.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads on CPU; defaults to all cores."
+    )
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> EngineArgs:
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must not exceed "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
+        return self

@@ -1,0 +1,149 @@
+"""EngineCore: the scheduler, the KV cache manager and the model runner, stepped together."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from tidegate.engine.core.kv_cache_manager import KVCacheManager
+from tidegate.engine.core.outputs import EngineCoreOutput
+from tidegate.engine.core.request import Request
+from tidegate.engine.core.scheduler import Scheduler
+from tidegate.engine.core.step_budget import StepLimits
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# On GPUs the cache takes this share of the memory left after the weights.
+_GPU_KV_CACHE_FRACTION = 0.9
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto means CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:
+    """The engine's context limit: the flag, else the model's, never more than the model's."""
+    model_limit = model_config.max_model_len
+    if args.max_model_len is None:
+        return model_limit
+    if args.max_model_len > model_limit:
+        raise ValueError(
+            f"max_model_len {args.max_model_len:,} exceeds this model's limit of "
+            f"{model_limit:,} tokens (max_position_embeddings or sliding window)"
+        )
+    return args.max_model_len
+
+
+def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
+    """Scheduler limits from the engine args, with vLLM's default chunk threshold."""
+    threshold = args.long_prefill_token_threshold
+    if threshold == 0 and args.max_num_partial_prefills > 1:
+        # Several concurrent partial prefills only make sense with a per-request cap.
+        threshold = max(1, int(max_model_len * 0.04))
+    return StepLimits(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        max_model_len=max_model_len,
+    )
+
+
+class EngineCore:
+    """One engine instance: add requests, abort them, and step."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+        model_config = ModelConfig.from_pretrained(args.model)
+        self.max_model_len = resolve_max_model_len(args, model_config)
+        self.runner = ModelRunner(args, self.max_model_len, self.device)
+        self.model_config = self.runner.model_config
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * args.block_size:,} tokens ({num_blocks} blocks "
+                f"of {args.block_size}), fewer than max_model_len {self.max_model_len:,}; "
+                "raise num_gpu_blocks or kv_cache_memory, or lower max_model_len"
+            )
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            enable_caching=args.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            resolve_step_limits(args, self.max_model_len), self.kv_cache_manager
+        )
+        logger.info(
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            args.model,
+            self.device,
+            self.runner.dtype,
+            num_blocks,
+            args.block_size,
+            self.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        if self.args.num_gpu_blocks is not None:
+            return self.args.num_gpu_blocks
+        per_block = self.runner.kv_cache_bytes_per_block()
+        budget = self.args.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _GPU_KV_CACHE_FRACTION)
+        return max(1, (budget or DEFAULT_KV_CACHE_MEMORY) // per_block)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it joins the batch at the next step."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish requests now and free their KV blocks."""
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and apply the results."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        if scheduler_output.is_empty:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Nothing runs and nothing can start: looping again would hang the caller.
+                raise RuntimeError(
+                    f"{self.scheduler.num_waiting} waiting request(s) cannot be scheduled "
+                    f"({self.kv_cache_manager.num_free_blocks} free KV blocks)"
+                )
+            return []
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> dict[str, float]:
+        """Counters users and metrics read: blocks, prefix cache, preemptions, queue sizes."""
+        kv = self.kv_cache_manager
+        return {
+            "num_total_blocks": kv.num_total_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_steps": self.scheduler.num_steps,
+        }

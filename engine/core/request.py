@@ -1,0 +1,98 @@
+"""A request as the scheduler sees it: token ids, progress, status, and its block hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from tidegate.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; the finished ones carry their reason."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Prompt plus generated tokens, and how many of them already have KV in the cache."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled (for usage reporting).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Content hashes of this request's full blocks, extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every known token has KV: the next step produces a new token."""
+        return self.num_computed_tokens >= self.num_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def token_ids_array(self, start: int, end: int) -> np.ndarray:
+        return np.asarray(self._all_token_ids[start:end], dtype=np.int64)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed; None in the params means up to the model's context."""
+        max_tokens = self.sampling_params.max_tokens
+        return max_tokens if max_tokens is not None else 1 << 62

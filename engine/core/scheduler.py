@@ -1,0 +1,278 @@
+"""The unified scheduler: every step mixes prefill chunks and decodes under one token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from tidegate.engine.core.kv_cache_manager import KVCacheManager
+from tidegate.engine.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tidegate.engine.core.request import Request, RequestStatus
+from tidegate.engine.core.step_budget import StepBudget, StepLimits
+
+
+class Scheduler:
+    """Decides, step by step, which requests compute how many tokens; owns the KV cache manager.
+
+    There are no prefill and decode phases: each request has `num_computed_tokens` and a step
+    advances it. RUNNING requests are served first (oldest first), then WAITING ones. When
+    blocks run out the newest running request is preempted by recompute.
+    """
+
+    def __init__(self, limits: StepLimits, kv_cache_manager: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids the runner must forget at its next step.
+        self._finished_req_ids: set[str] = set()
+        # Requests the runner has state for (new ones are sent whole, once).
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # -- the request set --------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request; it may join the batch at the next step."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests now and free their blocks; unknown ids are ignored."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.status.finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones, within the budget."""
+        budget = StepBudget(self.limits)
+        scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget.tokens_left > 0:
+            request = self.running[index]
+            num_new = budget.tokens_for(request, request.num_computed_tokens)
+            if num_new == 0:
+                index += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=request.request_id,
+                    new_block_ids=[block.block_id for block in new_blocks],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            scheduled[request.request_id] = num_new
+            budget.spend(num_new)
+            index += 1
+
+        # Prompts that stay part-way through prefill count against the partial-prefill limits,
+        # whether or not they got tokens this step.
+        for request in self.running:
+            computed = request.num_computed_tokens + scheduled.get(request.request_id, 0)
+            if budget.is_partial(request, computed):
+                budget.count_partial(request)
+
+        # vLLM's rule: a step that had to preempt admits nobody new.
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
+
+        total = sum(scheduled.values())
+        assert total <= self.limits.max_num_batched_tokens
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_req_ids = set()
+        # Advance now so the next schedule() sees this step's work as done.
+        for req_id, num in scheduled.items():
+            self.requests[req_id].num_computed_tokens += num
+        self.num_steps += 1
+        return output
+
+    def _schedule_waiting(
+        self,
+        budget: StepBudget,
+        scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        """Admit waiting requests in order; a prompt that would exceed the partial limits waits."""
+        skipped: list[Request] = []
+        while self.waiting and budget.tokens_left > 0:
+            if len(self.running) >= self.limits.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = budget.tokens_for(request, num_cached)
+            if num_new == 0:
+                break
+            partial = budget.is_partial(request, num_cached + num_new)
+            if partial and not budget.admits_partial(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self._leaves_headroom(request, computed_blocks, num_cached + num_new):
+                break
+            if (
+                self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_cached)
+                is None
+            ):
+                break
+            self.waiting.popleft()
+            if partial:
+                budget.count_partial(request)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            if request.request_id in self._known_to_runner:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request.request_id,
+                        new_block_ids=list(block_ids),
+                        num_computed_tokens=num_cached,
+                        resumed_from_preemption=True,
+                    )
+                )
+            else:
+                self._known_to_runner.add(request.request_id)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=list(request.all_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=list(block_ids),
+                        num_computed_tokens=num_cached,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget.spend(num_new)
+        # Skipped prompts keep their place at the front, in their original order.
+        self.waiting.extendleft(reversed(skipped))
+
+    def _leaves_headroom(self, request: Request, computed_blocks: list, num_tokens: int) -> bool:
+        """True when admitting leaves a free block for each running request to grow into.
+
+        Without this margin a newly admitted (or resumed) request is preempted again as soon
+        as the running ones cross a block boundary, and two requests can evict each other
+        step after step.
+        """
+        if not self.running:
+            return True
+        needed = -(-num_tokens // self.block_size) - len(computed_blocks)
+        revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        free_after = self.kv_cache_manager.num_free_blocks - needed - revived
+        return free_after >= len(self.running)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it back at the front of WAITING (recompute)."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the model ran ----------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, token_ids in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished or not token_ids:
+                continue
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=runner_output.logprobs.get(req_id),
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Move a request out of the queues, free its blocks and tell the runner next step."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]

@@ -1,0 +1,78 @@
+"""The token arithmetic of one scheduling step: budget, per-request cap, partial prefills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidegate.engine.core.request import Request
+
+
+@dataclass
+class StepLimits:
+    """The knobs that bound a step (resolved from EngineArgs)."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int  # 0: no per-request cap
+    max_num_partial_prefills: int
+    max_long_partial_prefills: int
+    max_model_len: int
+
+
+class StepBudget:
+    """Hands out tokens for one step and keeps count of prompts left part-way through prefill.
+
+    A prompt is *partial* in this step when its chunk ends before its last token. Allowing only
+    `max_num_partial_prefills` of those at once (and `max_long_partial_prefills` long ones)
+    lets short prompts that finish in one step overtake a long prompt's chunks.
+    """
+
+    def __init__(self, limits: StepLimits) -> None:
+        self.limits = limits
+        self.tokens_left = limits.max_num_batched_tokens
+        self.num_partial = 0
+        self.num_long_partial = 0
+
+    def is_long(self, request: Request) -> bool:
+        """True for prompts the threshold would split into several chunks."""
+        threshold = self.limits.long_prefill_token_threshold
+        return threshold > 0 and request.num_prompt_tokens > threshold
+
+    def tokens_for(self, request: Request, num_computed_tokens: int) -> int:
+        """How many tokens this request may compute now (0 when the budget is spent)."""
+        num_new = request.num_tokens - num_computed_tokens
+        threshold = self.limits.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        # Never compute past the model's context: a request at the limit is finished first.
+        num_new = min(num_new, self.limits.max_model_len - num_computed_tokens)
+        return max(0, min(num_new, self.tokens_left))
+
+    @staticmethod
+    def is_partial(request: Request, num_computed_after: int) -> bool:
+        """True when a prefill (of a prompt, or a recompute after preemption) is left unfinished.
+
+        A decode waiting for its one token is not a partial prefill, even if it got no
+        tokens this step.
+        """
+        remaining = request.num_tokens - num_computed_after
+        return remaining > 1 or (remaining == 1 and request.num_output_tokens == 0)
+
+    def admits_partial(self, request: Request) -> bool:
+        """True when one more partial prefill (long or not) fits this step's limits."""
+        if self.num_partial >= self.limits.max_num_partial_prefills:
+            return False
+        return not (
+            self.is_long(request) and self.num_long_partial >= self.limits.max_long_partial_prefills
+        )
+
+    def count_partial(self, request: Request) -> None:
+        """Record that this request stays part-way through its prefill after this step."""
+        self.num_partial += 1
+        if self.is_long(request):
+            self.num_long_partial += 1
+
+    def spend(self, num_tokens: int) -> None:
+        """Take tokens out of the step's budget."""
+        assert num_tokens <= self.tokens_left, "scheduled past the token budget"
+        self.tokens_left -= num_tokens

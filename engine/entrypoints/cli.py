@@ -1,0 +1,120 @@
+"""The `tidegate` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from tidegate.engine.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one --flag per EngineArgs field, named and documented from the model itself."""
+    for name, field in EngineArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        kwargs: dict[str, Any] = {"help": field.description, "dest": name}
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = field.default
+        else:
+            choices, cast = _argparse_type(annotation)
+            kwargs.update(type=cast, choices=choices)
+            if field.is_required():
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = field.default
+        parser.add_argument(flag, **kwargs)
+
+
+def _argparse_type(annotation: Any) -> tuple[list[Any] | None, Any]:
+    """(choices, converter) for a field annotation such as int | None or Literal[...]."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _argparse_type(inner[0])
+    if origin is typing.Literal:
+        choices = list(typing.get_args(annotation))
+        return choices, type(choices[0])
+    return None, annotation
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags; a bad combination exits with the validator's message."""
+    values = {name: getattr(namespace, name) for name in EngineArgs.model_fields}
+    try:
+        return EngineArgs(**values)
+    except ValidationError as error:
+        raise SystemExit(f"tidegate: invalid engine arguments:\n{error}") from None
+
+
+def _make_tiny_model(ns: argparse.Namespace) -> int:
+    from tidegate.engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(ns.dir, arch=ns.arch, size=ns.size, seed=ns.seed)
+    print(path)
+    return 0
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from tidegate.engine.llm import LLM
+    from tidegate.engine.sampling_params import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**args.model_dump())
+    params = SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed
+    )
+    start = time.perf_counter()
+    outputs = llm.generate(ns.prompt, params)
+    elapsed = time.perf_counter() - start
+    for output in outputs:
+        completion = output.outputs[0]
+        print(f"--- prompt: {output.prompt!r}")
+        print(f"    output: {completion.text!r} ({completion.finish_reason})")
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{generated} tokens in {elapsed:.2f}s; stats: {llm.stats()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, subcommands included."""
+    parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a random-weight model folder for tests")
+    tiny.add_argument("dir")
+    tiny.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    tiny.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_make_tiny_model)
+
+    gen = sub.add_parser("generate", help="generate text offline from prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line and run the subcommand."""
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.handler(ns)
+    except ValueError as error:
+        print(f"tidegate: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

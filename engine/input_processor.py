@@ -1,0 +1,91 @@
+"""Prompts and parameters in, validated Requests out: the one place bad input is refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from tidegate.engine.core.request import Request
+from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.tokenizer import Tokenizer
+
+
+def model_eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class InputProcessor:
+    """Tokenizes and checks prompts against the model's limits before they reach the engine."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return token_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """A Request ready for the scheduler, or a ValueError that says what is allowed."""
+        token_ids = self.prompt_token_ids(prompt)
+        self.check_prompt(token_ids)
+        for token_id in params.stop_token_ids or []:
+            if token_id >= self.vocab_size:
+                raise ValueError(
+                    f"stop_token_ids contains {token_id}; this model's vocabulary has "
+                    f"{self.vocab_size:,} tokens"
+                )
+        params = copy.copy(params)
+        stop_ids = set(params.stop_token_ids or [])
+        params.all_stop_token_ids = stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Refuse empty prompts, unknown token ids and prompts that leave no room to generate."""
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt token id {bad} is outside this model's vocabulary [0, {self.vocab_size:,})"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids):,} tokens; this model accepts at most "
+                f"{self.max_model_len - 1:,} (max_model_len is {self.max_model_len:,}, "
+                "and at least one token must be generated)"
+            )

@@ -1,0 +1,110 @@
+"""The offline API: `LLM(model=DIR).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
+from tidegate.engine.output_processor import OutputProcessor
+from tidegate.engine.outputs import RequestOutput
+from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate text from a local model folder in this process."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.args = EngineArgs(model=model, **engine_args)
+        self.engine = EngineCore(self.args)
+        self.tokenizer = Tokenizer(self.args.tokenizer or self.args.model)
+        self.input_processor = InputProcessor(
+            tokenizer=self.tokenizer,
+            vocab_size=self.engine.model_config.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            eos_token_ids=model_eos_token_ids(self.args.model, self.tokenizer),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
+        # Validate everything before queuing anything, so a bad prompt leaves nothing behind.
+        requests = [
+            self.input_processor.process(f"offline-{next(self._ids)}", prompt, params, cache_salt)
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ]
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        for request, prompt in zip(requests, prompts, strict=True):
+            self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
+            self.engine.add_request(request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self._step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+        except BaseException:
+            # Interrupted or failed: leave no request (and no KV block) behind.
+            self._abort([request.request_id for request in requests])
+            raise
+        return [r for r in results if r is not None]
+
+    def _step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.output_processor.process_outputs(self.engine.step())
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        return outputs
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(request_ids)
+        for request_id in request_ids:
+            self.output_processor.abort(request_id)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or several, through the chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+            # The template writes BOS itself; encoding must not add a second one.
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> dict[str, float]:
+        """Block counts, prefix-cache counters, preemptions and queue sizes."""
+        return self.engine.stats()

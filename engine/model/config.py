@@ -1,0 +1,136 @@
+"""What the engine needs to know about a model, read from its Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# RoPE variants rotary.py computes exactly as transformers does; "default" means no scaling.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama-family or Qwen2 decoder-only model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str | None  # as written in config.json, e.g. "bfloat16"; None if absent
+    sliding_window: int | None = None  # Mistral v0.1: exact only up to this many tokens
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence this engine computes exactly (it has no sliding-window attention)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Read config.json (and eos ids from generation_config.json) in a model folder."""
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        return cls.from_dict(raw, _generation_eos(model_dir))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], extra_eos: list[int] | None = None) -> ModelConfig:
+        """Build from the parsed config.json; extra_eos come from generation_config.json."""
+        architecture = _architecture(raw)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is")
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        if is_qwen2 and raw.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        heads = raw["num_attention_heads"]
+        attention_bias = bool(raw.get("attention_bias", False))
+        rope_theta, rope_scaling = _rope(raw)
+        eos = _as_list(raw.get("eos_token_id"))
+        eos += [t for t in extra_eos or [] if t not in eos]
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=not is_qwen2 and attention_bias,
+            mlp_bias=not is_qwen2 and bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos,
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            sliding_window=None if is_qwen2 else raw.get("sliding_window"),
+        )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"model architecture {names or raw.get('model_type')!r} is not supported; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Theta and scaling from either the transformers 4 keys or the 5 `rope_parameters` dict."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    # As transformers: a top-level original length wins, else max_position_embeddings.
+    if rope_type in ("llama3", "yarn"):
+        if "original_max_position_embeddings" in raw:
+            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    return theta, params
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return []
+    return _as_list(json.loads(path.read_text()).get("eos_token_id"))

@@ -1,0 +1,122 @@
+"""Load a Hugging Face model folder (config.json + *.safetensors) into our fused modules."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tidegate.engine.attention.backend import AttentionBackend
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint projection name -> (our fused module, shard id).
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_FUSED_NAME = re.compile(r"\.(" + "|".join(_FUSED) + r")\.")
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """The dtype for --dtype `name`; "auto" is the checkpoint's, float32 if it names none."""
+    if name == "auto":
+        name = config.torch_dtype or "float32"
+        if name not in DTYPES:
+            raise ValueError(f"config.json names dtype {name!r}; pass --dtype explicitly")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model on `device` in `dtype` and fill it from the folder's safetensors."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # layers create their parameters in the default dtype
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, attn_backend)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    load_weights(model, _checkpoint_tensors(model_dir))
+    return model.eval(), config
+
+
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    expected = {_shard_key(name, shard) for name, shard in _expected_shards(model)}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    tied = model.config.tie_word_embeddings
+    for hf_name, tensor in tensors:
+        if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+            continue  # recomputed buffers, and the copy of a tied embedding
+        name, shard = _our_name(hf_name)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        with torch.no_grad():
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        loaded.add(_shard_key(name, shard))
+    missing = sorted(expected - loaded)
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint does not match {model.config.architecture}: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def _our_name(hf_name: str) -> tuple[str, str | None]:
+    match = _FUSED_NAME.search(hf_name)
+    if match is None:
+        return hf_name, None
+    fused, shard = _FUSED[match.group(1)]
+    return hf_name.replace(match.group(0), f".{fused}.", 1), shard
+
+
+def _expected_shards(model: LlamaForCausalLM) -> Iterator[tuple[str, str | None]]:
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        owner = modules[name.rsplit(".", 1)[0]]
+        shards = getattr(owner, "output_sizes", None)
+        yield from ((name, s) for s in shards) if shards else [(name, None)]
+
+
+def _shard_key(name: str, shard: str | None) -> str:
+    return name if shard is None else f"{name}[{shard}]"
+
+
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from every shard, in the order the index (or the file names) gives."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        # Mistral folders also hold consolidated.safetensors, the same weights in its own names.
+        files = sorted(
+            p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated")
+        )
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(model_dir / file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                yield name, f.get_tensor(name)

@@ -1,0 +1,109 @@
+"""Engine-core outputs in, detokenized RequestOutputs out; stop strings end requests here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidegate.engine.core.outputs import EngineCoreOutput, LogprobsLists
+from tidegate.engine.core.request import Request
+from tidegate.engine.detokenizer import IncrementalDetokenizer
+from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tidegate.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+
+
+class OutputProcessor:
+    """Keeps one detokenizer per live request and builds what the caller sees."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        """Start tracking a request that was just handed to the engine."""
+        params = request.sampling_params
+        self._states[request.request_id] = _RequestState(
+            output=RequestOutput(
+                request_id=request.request_id,
+                prompt=prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text="",
+                        token_ids=[],
+                        logprobs=[] if params.logprobs is not None else None,
+                        cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    )
+                ],
+            ),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids),
+            want_logprobs=params.logprobs is not None,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop tracking a request; returns its last state marked as aborted."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        completion = state.output.outputs[0]
+        completion.finish_reason = completion.finish_reason or "abort"
+        state.output.finished = True
+        return state.output
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs; return updated RequestOutputs and ids to abort (stopped)."""
+        updated: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self._states.get(out.req_id)
+            if state is None:
+                continue
+            completion = state.output.outputs[0]
+            completion.token_ids.extend(out.new_token_ids)
+            state.output.num_cached_tokens = out.num_cached_tokens
+            if state.want_logprobs and out.new_logprobs is not None:
+                self._append_logprobs(completion, out.new_logprobs)
+            stop = state.detokenizer.update(out.new_token_ids)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if stop is not None and finish_reason is None:
+                finish_reason, stop_reason = "stop", stop
+                to_abort.append(out.req_id)
+            elif stop is not None:
+                finish_reason, stop_reason = "stop", stop
+            completion.text = state.detokenizer.output_text
+            if finish_reason is not None:
+                completion.finish_reason = finish_reason
+                completion.stop_reason = stop_reason
+                state.output.finished = True
+                del self._states[out.req_id]
+            updated.append(state.output)
+        return updated, to_abort
+
+    def _append_logprobs(self, completion: CompletionOutput, lists: LogprobsLists) -> None:
+        for ids, values, rank in zip(
+            lists.token_ids, lists.logprobs, lists.sampled_token_ranks, strict=True
+        ):
+            entry: dict[int, Logprob] = {}
+            for position, (token_id, value) in enumerate(zip(ids, values, strict=True)):
+                if token_id in entry:
+                    continue
+                entry[token_id] = Logprob(
+                    token_id=token_id,
+                    logprob=value,
+                    rank=rank if position == 0 else position,
+                    decoded_token=self.tokenizer.decode([token_id], skip_special_tokens=False),
+                )
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += values[0]

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop (names follow OpenAI and vLLM)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Filled by the engine: the model's EOS ids, which end a request unless ignore_eos.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(message: str) -> None:
+            raise ValueError(message)
+
+        if self.n != 1:
+            fail(f"n must be 1 in the engine (got {self.n}); the API server fans out n > 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            fail(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            fail(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            fail(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            fail("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the most likely token every step."""
+        return self.temperature < _GREEDY_EPS

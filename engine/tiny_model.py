@@ -1,0 +1,219 @@
+"""Write a deterministic random-weight Llama or Qwen2 model folder for tests and demos.
+
+The folder is a normal Hugging Face model (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template, generation_config.json), so transformers loads it
+too; that is how tests judge the engine. The tokenizer is a byte-level BPE trained offline on
+`data/tiny_corpus.txt`, so nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+# Each turn is "<|role|>\n{content}</s>\n"; content may be a string or a list of text parts.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "dtype": "float32",
+    },
+    "small": {  # ~125M parameters (Llama; ~100M for Qwen2 with tied embeddings)
+        "vocab_size": 32000,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "dtype": "bfloat16",
+    },
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Weights ~ N(0, (GAIN / sqrt(fan_in))^2): large enough that greedy picks win by clear logit
+# margins (float noise never flips them), small enough that generations do not collapse.
+GAIN = 2.0
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+) -> Path:
+    """Write the model folder to out_dir; the same arguments always give the same bytes."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch {arch!r} is not supported; choose {', '.join(ARCHITECTURES)}")
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not supported; choose {', '.join(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
+    config = _config(arch, size, tokenizer.get_vocab_size(), rope_scaling)
+    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    _write_json(out / "config.json", config)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
+    _write_json(out / "special_tokens_map.json", _special_tokens_map())
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
+    )
+    weights = _random_weights(config, tokenizer.get_vocab_size(), seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes 0600; give it the permissions of the files written above.
+    (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)
+    return out
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE over the shipped corpus (it may stop short of vocab_size)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Like Llama's tokenizers: <s> in front of every encoded text unless asked not to.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", BOS_ID)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return tokenizer
+
+
+def _config(
+    arch: str, size: str, tokenizer_vocab: int, rope_scaling: dict[str, Any] | None
+) -> dict[str, Any]:
+    shape = dict(SIZES[size])
+    dtype = shape.pop("dtype")
+    # A tokenizer trained on a small corpus stops short of a large vocab; the rest are padding.
+    shape["vocab_size"] = max(shape["vocab_size"], tokenizer_vocab)
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        **shape,
+        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": rope_scaling,
+        # Tiny Qwen2 exercises tied embeddings; Llama keeps a separate lm_head.
+        "tie_word_embeddings": arch == "qwen2",
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "initializer_range": 0.02,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=shape["num_hidden_layers"],
+        )
+    return config
+
+
+def _random_weights(
+    config: dict[str, Any], tokenizer_vocab: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under Hugging Face names, drawn in a fixed order from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_size = config["num_attention_heads"] * config["head_dim"]
+    kv_size = config["num_key_value_heads"] * config["head_dim"]
+    dtype = getattr(torch, config["torch_dtype"])
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(dtype)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        return normal(out_features, in_features, std=GAIN / math.sqrt(in_features))
+
+    def norm() -> torch.Tensor:
+        return (1.0 + normal(hidden, std=0.1)).to(dtype)
+
+    weights = {"model.embed_tokens.weight": linear(config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = norm()
+        for name, out_features in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            weights[f"{p}self_attn.{name}_proj.weight"] = linear(out_features, hidden)
+            if config["model_type"] == "qwen2":
+                weights[f"{p}self_attn.{name}_proj.bias"] = normal(out_features, std=0.1)
+        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
+        weights[p + "post_attention_layernorm.weight"] = norm()
+        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+    weights["model.norm.weight"] = norm()
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = linear(config["vocab_size"], hidden)
+    # Padding ids have no text: zero output rows give them logit 0, far below the top real
+    # token, so greedy decoding never produces them.
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    head[tokenizer_vocab:] = 0
+    return weights
+
+
+def _tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "additional_special_tokens": SPECIAL_TOKENS[3:],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": config["max_position_embeddings"],
+        # Byte-level BPE reproduces text exactly; HF's space clean-up would break that.
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _special_tokens_map() -> dict[str, Any]:
+    return {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "additional_special_tokens": SPECIAL_TOKENS[3:],
+    }
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

@@ -1,0 +1,166 @@
+"""The model runner: keeps per-request state, runs the model on a flat batch, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tidegate.engine.attention import get_attention_backend
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.loader import load_model, resolve_dtype
+from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
+from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+
+
+class _LazyPromptTokenIds(Sequence[list[int]]):
+    """Each row's prompt token ids, materialized only when indexed."""
+
+    def __init__(self, rows: list[CachedRequestState]) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [row.prompt_token_ids for row in self._rows[index]]
+        return self._rows[index].prompt_token_ids
+
+
+class ModelRunner:
+    """Turns a SchedulerOutput into sampled tokens; knows tensors, not queues."""
+
+    def __init__(self, args: EngineArgs, max_model_len: int, device: torch.device) -> None:
+        self.args = args
+        self.device = device
+        self.max_model_len = max_model_len
+        self.model_config = ModelConfig.from_pretrained(args.model)
+        self.dtype = resolve_dtype(args.dtype, self.model_config)
+        self.attn_backend = get_attention_backend(args.attention_backend, device)
+        self.model, _ = load_model(args.model, self.dtype, device, self.attn_backend)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = args.block_size
+        self.inputs = InputBuilder(
+            max_num_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // args.block_size),
+            block_size=args.block_size,
+            device=device,
+        )
+
+    # -- KV cache ---------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return per_layer * cfg.num_hidden_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged caches: per layer, keys and values [blocks, block, heads, dim]."""
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            token_ids = np.zeros(self.max_model_len, dtype=np.int64)
+            token_ids[: len(new.prompt_token_ids)] = new.prompt_token_ids
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=token_ids,
+                num_tokens=len(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return the tokens sampled for requests whose prompt is complete."""
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[req_id] for req_id in req_ids]
+        step = self.inputs.build(states, list(so.num_scheduled_tokens.values()))
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if step.sampling_rows:
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            rows = [states[i] for i in step.sampling_rows]
+            output = self._sample(logits, rows)
+            tokens = output.sampled_token_ids.tolist()
+            for row, state, token in zip(step.sampling_rows, rows, tokens, strict=True):
+                state.append(token)
+                sampled[row] = [token]
+            if output.logprobs is not None:
+                logprobs = self._logprobs_lists(output, rows)
+        for state in states:
+            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
+        generators = {i: s.generator for i, s in enumerate(rows) if s.generator is not None}
+        meta = build_sampling_metadata(
+            params=[s.sampling_params for s in rows],
+            # Built only if a repetition penalty asks for it: copying prompts is O(tokens).
+            prompt_token_ids=_LazyPromptTokenIds(rows),
+            output_token_ids=[s.output_token_ids for s in rows],
+            generators=generators,
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+        return self.sampler(logits, meta)
+
+    @staticmethod
+    def _logprobs_lists(
+        output: SamplerOutput, rows: list[CachedRequestState]
+    ) -> dict[str, LogprobsLists]:
+        ids = output.logprob_token_ids.tolist()
+        values = output.logprobs.tolist()
+        ranks = output.sampled_token_ranks.tolist()
+        result = {}
+        for i, state in enumerate(rows):
+            k = state.sampling_params.logprobs
+            if k is None:
+                continue
+            result[state.req_id] = LogprobsLists(
+                token_ids=[ids[i][: k + 1]],
+                logprobs=[values[i][: k + 1]],
+                sampled_token_ranks=[ranks[i]],
+            )
+        return result

@@ -1,0 +1,215 @@
+"""The batched sampler: one token per row from the model's logits, plus optional logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.worker.penalties import apply_penalties, pad_token_ids
+
+# Exponential noise of exactly 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
+_MIN_NOISE = 1e-10
+
+
+@dataclass
+class SamplingMetadata:
+    """Sampling inputs for N rows as batched tensors; a None field means no row needs it."""
+
+    all_greedy: bool
+    # Per-row temperature, 1.0 on greedy rows; None when every row is greedy.
+    temperature: torch.Tensor | None = None
+    # True on greedy rows; None unless greedy and random rows are mixed.
+    greedy_rows: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None  # int64, 0 = off
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    # Row index -> that request's generator (on the logits' device); random rows only.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Token histories padded with vocab_size; the prompt only for the repetition penalty.
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    # (rows, token ids) whose logits are -inf because the request is below min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens on CPU; the logprob fields are set only when some row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [N] int64
+    # Column 0 is the sampled token, then the top K of the raw distribution (K = batch max).
+    logprob_token_ids: torch.Tensor | None = None  # [N, K+1] int64
+    logprobs: torch.Tensor | None = None  # [N, K+1] float32
+    sampled_token_ranks: torch.Tensor | None = None  # [N] int64, 1 = most likely
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: dict[int, torch.Generator],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """Batch the rows' parameters into tensors, leaving out every feature no row uses."""
+    assert len(params) == len(prompt_token_ids) == len(output_token_ids)
+    greedy = [p.greedy for p in params]
+
+    def per_row(values: list, neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
+        if all(v == neutral for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def random_only(values: list, neutral: float) -> list:
+        # Greedy rows ignore truncation, so their values must not switch a feature on.
+        return [neutral if g else v for v, g in zip(values, greedy, strict=True)]
+
+    meta = SamplingMetadata(all_greedy=all(greedy))
+    if not meta.all_greedy:
+        temperatures = random_only([p.temperature for p in params], 1.0)
+        meta.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
+        if any(greedy):
+            meta.greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
+        # A top_k covering the whole vocab is no truncation at all.
+        top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]
+        meta.top_k = per_row(random_only(top_k, 0), 0, torch.int64)
+        meta.top_p = per_row(random_only([p.top_p for p in params], 1.0), 1.0, torch.float32)
+        meta.min_p = per_row(random_only([p.min_p for p in params], 0.0), 0.0, torch.float32)
+        meta.generators = {row: g for row, g in generators.items() if not greedy[row]}
+
+    # Penalties change which token is the argmax, so they apply to greedy rows too.
+    f32 = torch.float32
+    meta.repetition_penalties = per_row([p.repetition_penalty for p in params], 1.0, f32)
+    presence = per_row([p.presence_penalty for p in params], 0.0, f32)
+    frequency = per_row([p.frequency_penalty for p in params], 0.0, f32)
+    if presence is not None or frequency is not None:
+        meta.presence_penalties = presence if presence is not None else torch.zeros_like(frequency)
+        meta.frequency_penalties = (
+            frequency if frequency is not None else torch.zeros_like(presence)
+        )
+    if meta.repetition_penalties is not None:
+        meta.prompt_token_ids = pad_token_ids(prompt_token_ids, vocab_size, device)
+    if meta.repetition_penalties is not None or meta.presence_penalties is not None:
+        meta.output_token_ids = pad_token_ids(output_token_ids, vocab_size, device)
+
+    meta.min_tokens_mask = _min_tokens_mask(params, output_token_ids, vocab_size, device)
+    requested = [p.logprobs for p in params if p.logprobs is not None]
+    meta.max_num_logprobs = max(requested) if requested else None
+    return meta
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        # The engine leaves EOS out of all_stop_token_ids under ignore_eos, so no check here.
+        stops = [t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size]
+        rows.extend([row] * len(stops))
+        token_ids.extend(stops)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+    )
+
+
+class Sampler:
+    """Picks one token per row: penalties, then greedy or truncated random sampling."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample from float32 logits [N, V]; logprobs describe the raw, unpenalized logits."""
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if meta.min_tokens_mask is not None:
+            logits = logits.clone()  # the caller's logits stay untouched
+            logits[meta.min_tokens_mask] = float("-inf")
+        logits = apply_penalties(
+            logits,
+            meta.prompt_token_ids,
+            meta.output_token_ids,
+            meta.repetition_penalties,
+            meta.presence_penalties,
+            meta.frequency_penalties,
+        )
+        sampled = self._sample(logits, meta)
+        output = SamplerOutput(sampled_token_ids=sampled.cpu())
+        if raw_logprobs is not None:
+            _fill_logprobs(output, raw_logprobs, sampled, meta.max_num_logprobs)
+        return output
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = None if meta.greedy_rows is None and not meta.all_greedy else logits.argmax(-1)
+        if meta.all_greedy:
+            return greedy
+        logits = logits / meta.temperature[:, None]
+        if meta.top_k is not None:
+            logits = apply_top_k(logits, meta.top_k)
+        if meta.top_p is not None:
+            logits = apply_top_p(logits, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            probs = apply_min_p(probs, meta.min_p)
+        sampled = exponential_race(probs, meta.generators)
+        return sampled if greedy is None else torch.where(meta.greedy_rows, greedy, sampled)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask everything below each row's k-th largest logit (k = 0: keep all), without a sort."""
+    max_k = int(top_k.max())
+    kth_index = (top_k.clamp(1, max_k) - 1)[:, None]
+    kth_value = logits.topk(max_k, dim=-1).values.gather(1, kth_index)
+    threshold = torch.where(top_k[:, None] > 0, kth_value, float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the tail to drop comes first
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1.0 - top_p[:, None]
+    drop[:, -1] = False  # the most likely token always survives
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens less likely than min_p times the row's most likely token."""
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row as argmax(probs / Exponential(1)), i.e. from probs (unnormalized)."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    # A seeded row draws only from its own generator, so its tokens cannot depend on the batch.
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+
+
+def _fill_logprobs(
+    output: SamplerOutput, logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
+) -> None:
+    sampled_logprob = logprobs.gather(1, sampled[:, None])
+    # Rank counts the tokens at least as likely as the sampled one, itself included.
+    ranks = (logprobs >= sampled_logprob).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    output.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1).cpu()
+    output.logprobs = torch.cat([sampled_logprob, top_logprobs], dim=1).cpu()
+    output.sampled_token_ranks = ranks.cpu()

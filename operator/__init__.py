@@ -1,0 +1,1 @@
+"""tidegate.operator: the kopf operator that reconciles LLMDeployment resources."""

@@ -1,0 +1,21 @@
+"""Fixtures shared by all tests: tiny random-weight models written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidegate.engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama folder (untied embeddings, no biases), seed 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 folder (q/k/v biases, tied embeddings), seed 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", size="tiny")
