@@ -9,7 +9,7 @@ import torch
 
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.outputs import EngineCoreOutput
+from tidegate.engine.core.outputs import EngineCoreOutput, SchedulerOutput
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
@@ -88,6 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             resolve_step_limits(args, self.max_model_len), self.kv_cache_manager
         )
+        self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
             "engine ready: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
             args.model,
@@ -122,6 +123,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and apply the results."""
         scheduler_output = self.scheduler.schedule()
+        # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
+        self.last_scheduler_output = scheduler_output
         runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.is_empty:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
@@ -143,6 +146,7 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_steps": self.scheduler.num_steps,

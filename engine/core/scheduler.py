@@ -38,6 +38,8 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
+        self.num_computed_prompt_tokens = 0
 
     # -- the request set --------------------------------------------------------------------
 
@@ -128,7 +130,11 @@ class Scheduler:
         self._finished_req_ids = set()
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
-            self.requests[req_id].num_computed_tokens += num
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            prompt_len = request.num_prompt_tokens
+            self.num_computed_prompt_tokens += min(start + num, prompt_len) - min(start, prompt_len)
+            request.num_computed_tokens += num
         self.num_steps += 1
         return output
 

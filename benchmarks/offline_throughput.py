@@ -1,0 +1,125 @@
+"""Offline throughput: Tidegate's LLM.generate next to transformers' generate, in one run.
+
+Same model folder, same prompts (random token ids, fixed seed), same dtype and thread count;
+greedy, EOS ignored so both produce exactly the same number of tokens. Writes a JSON record.
+
+    python benchmarks/offline_throughput.py --out benchmarks/results/offline_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_tidegate(model_dir: Path, prompts, output_len: int, dtype: str) -> dict:
+    from tidegate.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + sum(map(len, prompts))) / elapsed,
+        "steps": llm.stats()["num_steps"],
+    }
+
+
+def run_transformers(model_dir: Path, prompts, output_len: int, dtype: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + ids.numel()) / elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from tidegate.engine.tiny_model import make_tiny_model
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            model_dir = make_tiny_model(Path(tmp) / size, arch="llama", size=size, seed=0)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            prompts = make_prompts(min(vocab, 4000), args.num_prompts, args.input_len, args.seed)
+            ours = run_tidegate(model_dir, prompts, args.output_len, args.dtype)
+            theirs = run_transformers(model_dir, prompts, args.output_len, args.dtype)
+            row = {
+                "model": f"tiny-model --size {size} (llama)",
+                "tidegate": ours,
+                "transformers": theirs,
+                "speedup_output_tokens": ours["output_tokens_per_s"]
+                / theirs["output_tokens_per_s"],
+            }
+            print(json.dumps(row, indent=2))
+            results.append(row)
+
+    record = {
+        "benchmark": "offline_throughput",
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "dtype": args.dtype,
+            "greedy": True,
+        },
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The offline API as a user meets it: prefix caching, tenancy, sampling, stops, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidegate.engine import LLM, SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=1024, num_gpu_blocks=400)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 900) for _ in range(n)]
+
+
+def assert_nothing_leaked(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_shared_prefix_is_computed_once(llm):
+    prefix = tokens(1, 20 * BLOCK)  # a 320-token "system prompt"
+    suffixes = [tokens(100 + i, 10 + i) for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = llm.stats()
+    llm.generate([[*prefix, *suffixes[0]]], greedy)
+    middle = llm.stats()
+    # The first request computes everything: prefix and its own suffix.
+    first_computed = middle["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
+    assert first_computed == len(prefix) + len(suffixes[0])
+
+    outputs = llm.generate([[*prefix, *s] for s in suffixes[1:]], greedy)
+    after = llm.stats()
+    computed = after["num_computed_prompt_tokens"] - middle["num_computed_prompt_tokens"]
+    hits = after["prefix_cache_hits"] - middle["prefix_cache_hits"]
+    queries = after["prefix_cache_queries"] - middle["prefix_cache_queries"]
+    # The seven later requests compute only their own suffixes; the prefix comes from cache.
+    assert computed == sum(len(s) for s in suffixes[1:])
+    assert hits == 7 * len(prefix)
+    assert queries == sum(len(prefix) + len(s) for s in suffixes[1:])
+    assert all(o.num_cached_tokens == len(prefix) for o in outputs)
+    assert_nothing_leaked(llm)
+
+
+def test_cached_and_uncached_prefixes_give_the_same_tokens(llm):
+    prompt = tokens(7, 5 * BLOCK + 3)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cold = llm.generate([prompt], greedy)[0]
+    warm = llm.generate([prompt], greedy)[0]
+    assert warm.num_cached_tokens == 5 * BLOCK
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_distinct_cache_salts_never_share_blocks(llm):
+    prompt = tokens(3, 8 * BLOCK)
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], greedy, cache_salt="tenant-a")
+    before = llm.stats()
+    other = llm.generate([prompt], greedy, cache_salt="tenant-b")[0]
+    unsalted = llm.generate([prompt], greedy)[0]
+    same = llm.generate([prompt], greedy, cache_salt="tenant-a")[0]
+    assert other.num_cached_tokens == 0
+    assert unsalted.num_cached_tokens == 0
+    assert same.num_cached_tokens == 7 * BLOCK  # the last block holds the recomputed token
+    assert llm.stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 7 * BLOCK
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    prompt = tokens(11, 40)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=42, max_tokens=16)
+    alone = llm.generate([prompt], params)[0].outputs[0].token_ids
+    others = [tokens(20 + i, 5 + 30 * i) for i in range(5)]
+    mixed_params = [SamplingParams(temperature=1.0, max_tokens=20)] * 2 + [params]
+    mixed_params += [SamplingParams(temperature=0, max_tokens=8)] * 3
+    batch = llm.generate([others[0], others[1], prompt, *others[2:]], mixed_params)
+    assert batch[2].outputs[0].token_ids == alone
+    unseeded = SamplingParams(temperature=0.9, max_tokens=16)
+    draws = {tuple(llm.generate([prompt], unseeded)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(draws) > 1, "unseeded sampling should vary"
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    prompt = tokens(5, 30)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    text = free[0].outputs[0].text
+    ids = free[0].outputs[0].token_ids
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
+    completion = cut.outputs[0]
+    assert completion.text == text[: text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    kept = SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+    )
+    assert llm.generate([prompt], kept)[0].outputs[0].text == text[: text.index(stop) + 3]
+
+    by_id = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[5]])
+    out = llm.generate([prompt], by_id)[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(ids[5]) + 1]
+    assert out.stop_reason == ids[5]
+    assert_nothing_leaked(llm)
+
+
+def test_max_tokens_min_tokens_and_eos(llm):
+    prompt = tokens(9, 12)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    # EOS is token 2 in the tiny models: forbidding it until min_tokens is honoured.
+    params = SamplingParams(temperature=1.5, max_tokens=30, min_tokens=25, seed=3)
+    for output in llm.generate([prompt] * 4, params):
+        token_ids = output.outputs[0].token_ids
+        assert len(token_ids) >= 25
+        assert 2 not in token_ids[:25]
+        assert output.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_logprobs_are_returned_per_token(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    completion = llm.generate([tokens(4, 20)], params)[0].outputs[0]
+    assert len(completion.logprobs) == 6
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in entry
+        assert entry[token_id].rank == 1  # greedy: the sampled token is the most likely
+        assert 3 <= len(entry) <= 4
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+
+
+def test_penalties_change_greedy_output(llm):
+    # A long prompt covers much of the tiny vocabulary, so the repetition penalty bites.
+    prompt = tokens(13, 400)
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    penalised = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=2.0
+    )
+    a, b = llm.generate([prompt, prompt], [plain, penalised])
+    ids_a, ids_b = a.outputs[0].token_ids, b.outputs[0].token_ids
+    assert ids_a != ids_b
+    # Penalised greedy output reuses prompt tokens less often than plain greedy output.
+    seen = set(prompt)
+    assert sum(t in seen for t in ids_b) < sum(t in seen for t in ids_a)
+
+
+def test_text_prompts_and_chat(llm):
+    outputs = llm.generate(["Hello there", "The weather today"], SamplingParams(max_tokens=5))
+    assert [o.prompt for o in outputs] == ["Hello there", "The weather today"]
+    assert all(o.prompt_token_ids[0] == 1 for o in outputs)  # BOS from the tokenizer
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4))[0]
+    assert chat.prompt_token_ids.count(1) == 1  # the template's BOS, not a second one
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], {}, "empty"),
+        ([5] * 1024, {}, "1,024 tokens; this model accepts at most 1,023"),
+        ([5, 100_000], {}, "outside this model's vocabulary"),
+        ([5], {"temperature": -1}, "temperature"),
+        ([5], {"top_p": 0}, "top_p"),
+        ([5], {"max_tokens": 0}, "max_tokens"),
+        ([5], {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ([5], {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error_and_leaks_nothing(llm, prompt, params, message):
+    good = tokens(2, 20)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([good, prompt], SamplingParams(**params))
+    assert_nothing_leaked(llm)
+    # The engine still serves.
+    assert llm.generate([good], SamplingParams(max_tokens=2))[0].finished
+
+
+def test_bad_engine_arguments_are_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="exceeds this model's limit"):
+        LLM(model=str(tiny_llama_dir), max_model_len=10**6)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(model=str(tiny_llama_dir), max_model_len=1024, num_gpu_blocks=4)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        LLM(model=str(tiny_llama_dir), max_num_partial_prefills=1, max_long_partial_prefills=2)
