@@ -79,8 +79,8 @@ def _decode_batch(
     num_blocks = -(-int(seq_lens.max()) // block_size)
     # Block-table padding may hold anything (even -1); the keys it points to are masked out.
     tables = block_tables[:, :num_blocks].long().clamp_min(0)
-    keys = _heads_first(k_cache[tables].flatten(1, 2))  # [D, Hkv, S, Dh]
-    values = _heads_first(v_cache[tables].flatten(1, 2))
+    keys = _heads_first(_gather_blocks(k_cache, tables).flatten(1, 2))  # [D, Hkv, S, Dh]
+    values = _heads_first(_gather_blocks(v_cache, tables).flatten(1, 2))
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     # The query heads sharing a KV head act as that head's "query positions" (GQA), so no
@@ -90,6 +90,12 @@ def _decode_batch(
     mask = key_pos[None, :] < seq_lens.to(query.device)[:, None]
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], scale=scale)
     return o.reshape(num_decodes, num_heads, head_dim)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for any shape of ids; index_select is several times faster on CPU."""
+    picked = cache.index_select(0, block_ids.reshape(-1))
+    return picked.view(*block_ids.shape, *cache.shape[1:])
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +116,8 @@ def _prefill_one(
     context_len = seq_len - query_len
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    keys = _heads_first(k_cache[blocks].flatten(0, 1)[:seq_len])  # [Hkv, S, Dh]
-    values = _heads_first(v_cache[blocks].flatten(0, 1)[:seq_len])
+    keys = _heads_first(_gather_blocks(k_cache, blocks).flatten(0, 1)[:seq_len])  # [Hkv, S, Dh]
+    values = _heads_first(_gather_blocks(v_cache, blocks).flatten(0, 1)[:seq_len])
     q = _heads_first(query)  # [H, L, Dh]
     if context_len == 0:
         o = F.scaled_dot_product_attention(

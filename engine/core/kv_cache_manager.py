@@ -88,6 +88,12 @@ class KVCacheManager:
         if computed and held:
             raise ValueError(f"request {rid} already holds blocks; prefix hits are for new ones")
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if not computed and num_tokens <= len(held) * self.block_size:
+            # The common decode step: room in the last block and, unless it just filled up,
+            # nothing new to hash. Kept cheap because it runs once per request per step.
+            num_full = min(num_tokens, request.num_tokens) // self.block_size
+            if not self.enable_caching or num_full <= self.num_cached_blocks.get(rid, 0):
+                return []
         num_required = -(-num_tokens // self.block_size)
         num_new_blocks = max(num_required - len(held) - len(computed), 0)
         # A hit block with ref_cnt 0 sits in the free queue; touching it takes it out, so it
