@@ -43,3 +43,11 @@ def test_bad_engine_flag_values_exit_with_a_message(tmp_path):
     )
     assert result.returncode != 0
     assert "block_size" in result.stderr
+    result = subprocess.run(
+        [*CLI, "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "has no config.json" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -48,7 +48,13 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (and eos ids from generation_config.json) in a model folder."""
         model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"{model_dir} is not a Hugging Face model folder: it has no config.json "
+                "(models are loaded from local folders only)"
+            )
+        raw = json.loads(path.read_text())
         return cls.from_dict(raw, _generation_eos(model_dir))
 
     @classmethod
