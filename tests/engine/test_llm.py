@@ -190,3 +190,24 @@ def test_bad_engine_arguments_are_refused(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), max_model_len=1024, num_gpu_blocks=4)
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         LLM(model=str(tiny_llama_dir), max_num_partial_prefills=1, max_long_partial_prefills=2)
+
+
+def test_a_failing_step_aborts_the_batch_and_leaves_nothing_behind(llm, monkeypatch):
+    real_execute = llm.engine.runner.execute_model
+    calls = {"n": 0}
+
+    def failing_execute(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("worker lost")
+        return real_execute(scheduler_output)
+
+    monkeypatch.setattr(llm.engine.runner, "execute_model", failing_execute)
+    prompts = [tokens(30 + i, 40) for i in range(4)]
+    with pytest.raises(RuntimeError, match="worker lost"):
+        llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    monkeypatch.undo()
+    assert_nothing_leaked(llm)
+    assert not llm.output_processor.has_unfinished_requests()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
