@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 from tidegate.engine.core.request import Request
+from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.sampling_params import SamplingParams
 from tidegate.engine.tokenizer import Tokenizer
 
 
-def model_eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
+def model_eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """EOS ids of the model's configs (config.json, generation_config.json) and its tokenizer."""
+    ids = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -28,7 +28,7 @@ class LLM:
             tokenizer=self.tokenizer,
             vocab_size=self.engine.model_config.vocab_size,
             max_model_len=self.engine.max_model_len,
-            eos_token_ids=model_eos_token_ids(self.args.model, self.tokenizer),
+            eos_token_ids=model_eos_token_ids(self.engine.model_config, self.tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -70,8 +70,8 @@ class EngineCore:
             torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
         model_config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = resolve_max_model_len(args, model_config)
-        self.runner = ModelRunner(args, self.max_model_len, self.device)
-        self.model_config = self.runner.model_config
+        self.model_config = model_config
+        self.runner = ModelRunner(args, model_config, self.max_model_len, self.device)
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(

@@ -34,11 +34,17 @@ class _LazyPromptTokenIds(Sequence[list[int]]):
 class ModelRunner:
     """Turns a SchedulerOutput into sampled tokens; knows tensors, not queues."""
 
-    def __init__(self, args: EngineArgs, max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         self.args = args
         self.device = device
         self.max_model_len = max_model_len
-        self.model_config = ModelConfig.from_pretrained(args.model)
+        self.model_config = model_config
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         self.attn_backend = get_attention_backend(args.attention_backend, device)
         self.model, _ = load_model(args.model, self.dtype, device, self.attn_backend)
