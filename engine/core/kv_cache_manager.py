@@ -91,7 +91,7 @@ class KVCacheManager:
         if not computed and num_tokens <= len(held) * self.block_size:
             # The common decode step: room in the last block and, unless it just filled up,
             # nothing new to hash. Kept cheap because it runs once per request per step.
-            num_full = min(num_tokens, request.num_tokens) // self.block_size
+            num_full = self._num_full_blocks(request, num_tokens)
             if not self.enable_caching or num_full <= self.num_cached_blocks.get(rid, 0):
                 return []
         num_required = -(-num_tokens // self.block_size)
@@ -128,13 +128,16 @@ class KVCacheManager:
         """Forget every cached prefix; refused (False) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()
 
+    def _num_full_blocks(self, request: Request, num_tokens: int) -> int:
+        """Blocks full once num_tokens are computed; only known tokens count (they get hashed)."""
+        return min(num_tokens, request.num_tokens) // self.block_size
+
     def _cache_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int, num_hit: int
     ) -> None:
         """Register every block that is full once the request's first num_tokens are computed."""
         extend_block_hashes(request, self.block_size)
-        # Only tokens already known can be hashed; slots for tokens still to be sampled wait.
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = self._num_full_blocks(request, num_tokens)
         # Prefix hits came from the cache, so they are registered already.
         num_cached = self.num_cached_blocks.get(request.request_id, num_hit)
         if num_full > num_cached:

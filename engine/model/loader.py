@@ -42,10 +42,15 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_backend: AttentionBackend,
+    config: ModelConfig | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model on `device` in `dtype` and fill it from the folder's safetensors."""
+    """Build the model on `device` in `dtype` and fill it from the folder's safetensors.
+
+    `config` saves re-reading config.json when the caller has it already.
+    """
     model_dir = Path(model_dir)
-    config = ModelConfig.from_pretrained(model_dir)
+    if config is None:
+        config = ModelConfig.from_pretrained(model_dir)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # layers create their parameters in the default dtype
     try:

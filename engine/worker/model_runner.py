@@ -47,7 +47,9 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         self.attn_backend = get_attention_backend(args.attention_backend, device)
-        self.model, _ = load_model(args.model, self.dtype, device, self.attn_backend)
+        self.model, _ = load_model(
+            args.model, self.dtype, device, self.attn_backend, config=model_config
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
