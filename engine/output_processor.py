@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidegate.engine.core.outputs import EngineCoreOutput, LogprobsLists
+from tidegate.engine.core.messages import EngineCoreOutput, LogprobsLists
 from tidegate.engine.core.request import Request
 from tidegate.engine.detokenizer import IncrementalDetokenizer
 from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput

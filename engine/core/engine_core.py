@@ -9,7 +9,7 @@ import torch
 
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.outputs import EngineCoreOutput, SchedulerOutput
+from tidegate.engine.core.messages import EngineCoreOutput, SchedulerOutput
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits

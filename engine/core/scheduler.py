@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.outputs import (
+from tidegate.engine.core.messages import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,

@@ -9,7 +9,7 @@ import torch
 
 from tidegate.engine.attention import get_attention_backend
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder

@@ -1,0 +1,186 @@
+"""Every message that crosses a process boundary, as typed msgspec structs.
+
+API server -> EngineCore (ZMQ ROUTER/DEALER): `EngineCoreRequest`, aborts, shutdown.
+EngineCore -> API server (ZMQ PUSH/PULL): `EngineCoreOutputs`, one per step.
+EngineCore -> workers (shared-memory broadcast): `WorkerCommand`s carrying `SchedulerOutput`.
+Worker rank 0 -> EngineCore (pipe): `WorkerReply`s carrying `ModelRunnerOutput`.
+In one process the same structs are passed as plain objects.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from tidegate.engine.sampling_params import SamplingParams
+
+# -- the scheduler/runner boundary --------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the runner has not seen: everything it needs to build its inputs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the runner already holds: what changed since its last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # After preemption the request owns a fresh block list: new_block_ids replaces the old.
+    resumed_from_preemption: bool = False
+
+
+class SchedulerOutput(msgspec.Struct):
+    """One step's plan: which requests compute how many tokens, in batch order."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = msgspec.field(default_factory=set)
+    preempted_req_ids: set[str] = msgspec.field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Per sampled token: ids and logprobs (sampled token first, then the top-k), and its rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """Sampled tokens of one step; requests still mid-prefill get an empty list."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+
+
+# -- API server <-> EngineCore --------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A validated, tokenized request, as the API server hands it to an engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    # time.monotonic() at the API server; CLOCK_MONOTONIC is shared by all processes.
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every message to an engine core; the second frame is the payload."""
+
+    ADD = b"\x00"  # EngineCoreRequest
+    ABORT = b"\x01"  # list[str] of request ids
+    SHUTDOWN = b"\x02"  # empty: finish nothing more, stop the workers, exit 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request, on its way to the detokenizer."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+    # Seconds from arrival to first being scheduled; set on a request's first output only.
+    queue_time: float | None = None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """The scheduler and KV cache after a step; counters are totals since the core started."""
+
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    # Tokens computed by the step these stats follow (0 when no step ran).
+    num_batched_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """Everything an engine core reports at once: one step's outputs and its stats."""
+
+    engine_index: int
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    # Requests refused at admission because the waiting queue was full.
+    rejected_request_ids: list[str] = msgspec.field(default_factory=list)
+    # Set on the last message of a core that is going down: what killed it.
+    engine_dead: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct):
+    """An engine core's first message: it is serving, and with which limits."""
+
+    engine_index: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
+
+# -- EngineCore <-> workers ----------------------------------------------------------------
+
+
+class InitializeKVCache(msgspec.Struct, tag=True):
+    """Allocate this many KV blocks (the smallest number every worker can hold)."""
+
+    num_blocks: int
+
+
+class ExecuteModel(msgspec.Struct, tag=True):
+    """Run one step."""
+
+    scheduler_output: SchedulerOutput
+
+
+class ShutdownWorker(msgspec.Struct, tag=True):
+    """Leave the loop and exit 0."""
+
+
+WorkerCommand = InitializeKVCache | ExecuteModel | ShutdownWorker
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    """A worker loaded its shard: how many KV blocks fit in the memory it was given."""
+
+    rank: int
+    num_kv_blocks: int
+
+
+class WorkerResult(msgspec.Struct, tag=True):
+    """The result of one ExecuteModel (sent by rank 0 only)."""
+
+    output: ModelRunnerOutput
+
+
+class WorkerFailure(msgspec.Struct, tag=True):
+    """A worker could not carry out a command; it exits after sending this."""
+
+    rank: int
+    error: str
+
+
+WorkerReply = WorkerReady | WorkerResult | WorkerFailure
