@@ -63,3 +63,32 @@ class EngineArgs(BaseModel):
                 f"max_num_partial_prefills ({self.max_num_partial_prefills})"
             )
         return self
+
+
+class ServerArgs(BaseModel):
+    """How `tidegate serve` listens and admits requests (engine shape is EngineArgs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    served_model_name: list[str] | None = Field(
+        None, description="Names clients use in `model`; the first is reported. Default: --model."
+    )
+    api_key: str | None = Field(
+        None,
+        description="Require `Authorization: Bearer KEY` on the API (not /health, /metrics); "
+        "also read from TIDEGATE_API_KEY.",
+    )
+    max_waiting_requests: int | None = Field(
+        None, ge=1, description="Refuse requests with 429 while this many are queued."
+    )
+    metrics_compat: Literal["none", "vllm"] = Field(
+        "none", description="Also export metrics under vLLM's `vllm:` names."
+    )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests before exiting."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of all processes."
+    )

@@ -48,6 +48,16 @@ class InputProcessor:
         """A Request ready for the scheduler, or a ValueError that says what is allowed."""
         token_ids = self.prompt_token_ids(prompt)
         self.check_prompt(token_ids)
+        if (
+            params.max_tokens is not None
+            and len(token_ids) + params.max_tokens > self.max_model_len
+        ):
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len:,} tokens, but "
+                f"{len(token_ids) + params.max_tokens:,} were requested ({len(token_ids):,} in the "
+                f"prompt, {params.max_tokens:,} for the completion); lower max_tokens to at most "
+                f"{self.max_model_len - len(token_ids):,}"
+            )
         for token_id in params.stop_token_ids or []:
             if token_id >= self.vocab_size:
                 raise ValueError(

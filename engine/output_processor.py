@@ -16,6 +16,8 @@ class _RequestState:
     output: RequestOutput
     detokenizer: IncrementalDetokenizer
     want_logprobs: bool
+    # Streaming callers get only what is new at each update (held-back text stays back).
+    delta: bool
 
 
 class OutputProcessor:
@@ -25,8 +27,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
-        """Start tracking a request that was just handed to the engine."""
+    def add_request(self, request: Request, prompt: str | None, delta: bool = False) -> None:
+        """Start tracking a request; with `delta`, each update carries only what is new."""
         params = request.sampling_params
         self._states[request.request_id] = _RequestState(
             output=RequestOutput(
@@ -45,6 +47,7 @@ class OutputProcessor:
             ),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids),
             want_logprobs=params.logprobs is not None,
+            delta=delta,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -88,8 +91,36 @@ class OutputProcessor:
                 completion.stop_reason = stop_reason
                 state.output.finished = True
                 del self._states[out.req_id]
-            updated.append(state.output)
+            updated.append(
+                self._delta(state, len(out.new_token_ids)) if state.delta else state.output
+            )
         return updated, to_abort
+
+    def _delta(self, state: _RequestState, num_new_tokens: int) -> RequestOutput:
+        """The update as a delta: new tokens, new logprobs, and text that is safe to send."""
+        full = state.output
+        completion = full.outputs[0]
+        new_logprobs = None
+        if completion.logprobs is not None:
+            new_logprobs = completion.logprobs[len(completion.logprobs) - num_new_tokens :]
+        return RequestOutput(
+            request_id=full.request_id,
+            prompt=full.prompt,
+            prompt_token_ids=full.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=state.detokenizer.text_delta(finished=full.finished),
+                    token_ids=completion.token_ids[len(completion.token_ids) - num_new_tokens :],
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    cumulative_logprob=completion.cumulative_logprob,
+                    logprobs=new_logprobs,
+                )
+            ],
+            finished=full.finished,
+            num_cached_tokens=full.num_cached_tokens,
+        )
 
     def _append_logprobs(self, completion: CompletionOutput, lists: LogprobsLists) -> None:
         for ids, values, rank in zip(

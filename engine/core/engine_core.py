@@ -3,32 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
 
-import torch
-
-from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.messages import EngineCoreOutput, SchedulerOutput
+from tidegate.engine.core.messages import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
+from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.model.config import ModelConfig
-from tidegate.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-# On GPUs the cache takes this share of the memory left after the weights.
-_GPU_KV_CACHE_FRACTION = 0.9
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto means CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is visible")
-    return torch.device(name)
 
 
 def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:
@@ -63,23 +48,29 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
 class EngineCore:
     """One engine instance: add requests, abort them, and step."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
         self.args = args
-        self.device = resolve_device(args.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
         model_config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = resolve_max_model_len(args, model_config)
         self.model_config = model_config
-        self.runner = ModelRunner(args, model_config, self.max_model_len, self.device)
-        num_blocks = self._num_kv_blocks()
-        if num_blocks * args.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * args.block_size:,} tokens ({num_blocks} blocks "
-                f"of {args.block_size}), fewer than max_model_len {self.max_model_len:,}; "
-                "raise num_gpu_blocks or kv_cache_memory, or lower max_model_len"
-            )
-        self.runner.initialize_kv_cache(num_blocks)
+        if executor_class is None:
+            from tidegate.engine.executor.uniproc_executor import UniProcExecutor
+
+            executor_class = UniProcExecutor
+        self.executor = executor_class(args, model_config, self.max_model_len)
+        try:
+            num_blocks = self.executor.num_kv_blocks()
+            if num_blocks * args.block_size < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {num_blocks * args.block_size:,} tokens ({num_blocks} "
+                    f"blocks of {args.block_size}), fewer than max_model_len "
+                    f"{self.max_model_len:,}; raise num_gpu_blocks or kv_cache_memory, or lower "
+                    "max_model_len"
+                )
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=args.block_size,
@@ -90,24 +81,13 @@ class EngineCore:
         )
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             args.model,
-            self.device,
-            self.runner.dtype,
+            self.executor.describe(),
             num_blocks,
             args.block_size,
             self.max_model_len,
         )
-
-    def _num_kv_blocks(self) -> int:
-        if self.args.num_gpu_blocks is not None:
-            return self.args.num_gpu_blocks
-        per_block = self.runner.kv_cache_bytes_per_block()
-        budget = self.args.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _GPU_KV_CACHE_FRACTION)
-        return max(1, (budget or DEFAULT_KV_CACHE_MEMORY) // per_block)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; it joins the batch at the next step."""
@@ -125,7 +105,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
         self.last_scheduler_output = scheduler_output
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         if scheduler_output.is_empty:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Nothing runs and nothing can start: looping again would hang the caller.
@@ -135,6 +115,25 @@ class EngineCore:
                 )
             return []
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        """Stop the workers."""
+        self.executor.shutdown()
+
+    def scheduler_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
+        """The stats message the API server turns into metrics."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=kv.num_total_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_batched_tokens=num_batched_tokens,
+        )
 
     def stats(self) -> dict[str, float]:
         """Counters users and metrics read: blocks, prefix cache, preemptions, queue sizes."""

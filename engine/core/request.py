@@ -64,6 +64,8 @@ class Request:
         # Prompt tokens found in the prefix cache when first scheduled (for usage reporting).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # time.monotonic() when first scheduled: arrival to here is the request's queue time.
+        self.first_scheduled_time: float | None = None
         # Content hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -172,6 +173,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             if request.request_id in self._known_to_runner:
                 cached_reqs.append(
@@ -252,9 +254,17 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     new_logprobs=runner_output.logprobs.get(req_id),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queue_time=self._queue_time(request, len(new_token_ids)),
                 )
             )
         return outputs
+
+    @staticmethod
+    def _queue_time(request: Request, num_new_tokens: int) -> float | None:
+        """Seconds from arrival to first schedule, reported with the request's first tokens."""
+        if request.num_output_tokens != num_new_tokens or request.first_scheduled_time is None:
+            return None
+        return max(0.0, request.first_scheduled_time - request.arrival_time)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import types
@@ -10,20 +11,24 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from tidegate.engine.config import EngineArgs
+from tidegate.engine.config import EngineArgs, ServerArgs
+
+M = typing.TypeVar("M", bound=BaseModel)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one --flag per EngineArgs field, named and documented from the model itself."""
-    for name, field in EngineArgs.model_fields.items():
+def add_engine_args(parser: argparse.ArgumentParser, model: type[BaseModel] = EngineArgs) -> None:
+    """Add one --flag per field of a config model, named and documented from the model itself."""
+    for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         kwargs: dict[str, Any] = {"help": field.description, "dest": name}
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = field.default
+        elif typing.get_origin(_strip_none(annotation)) is list:
+            kwargs.update(nargs="+", default=field.default)
         else:
             choices, cast = _argparse_type(annotation)
             kwargs.update(type=cast, choices=choices)
@@ -34,25 +39,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, **kwargs)
 
 
+def _strip_none(annotation: Any) -> Any:
+    """The X of `X | None`."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner[0]
+    return annotation
+
+
 def _argparse_type(annotation: Any) -> tuple[list[Any] | None, Any]:
     """(choices, converter) for a field annotation such as int | None or Literal[...]."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _argparse_type(inner[0])
-    if origin is typing.Literal:
+    annotation = _strip_none(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
         choices = list(typing.get_args(annotation))
         return choices, type(choices[0])
     return None, annotation
 
 
-def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    """EngineArgs from parsed flags; a bad combination exits with the validator's message."""
-    values = {name: getattr(namespace, name) for name in EngineArgs.model_fields}
+def engine_args_from(namespace: argparse.Namespace, model: type[M] = EngineArgs) -> M:  # type: ignore[assignment]
+    """A config model from parsed flags; a bad combination exits with the validator's message."""
+    values = {name: getattr(namespace, name) for name in model.model_fields}
     try:
-        return EngineArgs(**values)
+        return model(**values)
     except ValidationError as error:
-        raise SystemExit(f"tidegate: invalid engine arguments:\n{error}") from None
+        raise SystemExit(f"tidegate: invalid arguments:\n{error}") from None
 
 
 def _make_tiny_model(ns: argparse.Namespace) -> int:
@@ -84,6 +94,16 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from tidegate.engine.entrypoints.serve import run_server
+
+    engine_args = engine_args_from(ns)
+    server_args = engine_args_from(ns, ServerArgs)
+    if server_args.api_key is None and os.environ.get("TIDEGATE_API_KEY"):
+        server_args.api_key = os.environ["TIDEGATE_API_KEY"]
+    return run_server(engine_args, server_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, subcommands included."""
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
@@ -103,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(handler=_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_args(serve)
+    add_engine_args(serve, ServerArgs)
+    serve.set_defaults(handler=_serve)
     return parser
 
 

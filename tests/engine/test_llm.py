@@ -193,7 +193,7 @@ def test_bad_engine_arguments_are_refused(tiny_llama_dir):
 
 
 def test_a_failing_step_aborts_the_batch_and_leaves_nothing_behind(llm, monkeypatch):
-    real_execute = llm.engine.runner.execute_model
+    real_execute = llm.engine.executor.worker.execute_model
     calls = {"n": 0}
 
     def failing_execute(scheduler_output):
@@ -202,7 +202,7 @@ def test_a_failing_step_aborts_the_batch_and_leaves_nothing_behind(llm, monkeypa
             raise RuntimeError("worker lost")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(llm.engine.runner, "execute_model", failing_execute)
+    monkeypatch.setattr(llm.engine.executor.worker, "execute_model", failing_execute)
     prompts = [tokens(30 + i, 40) for i in range(4)]
     with pytest.raises(RuntimeError, match="worker lost"):
         llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))

@@ -1,0 +1,229 @@
+"""The EngineCore process: socket threads feed a busy loop that steps the engine.
+
+The loop owns the scheduler; two I/O threads own the sockets (ZMQ sockets are not
+thread-safe) and spend their time in msgspec and ZMQ, which release the GIL. When no
+request is unfinished the loop blocks on its input queue, so an idle engine uses no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.core.messages import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
+from tidegate.engine.core.request import Request
+from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.process import become_child_process
+
+logger = logging.getLogger(__name__)
+
+# First frame of the engine core's handshake on the request socket.
+READY = b"READY"
+FAILED = b"FAILED"
+
+# Put on the input queue by the worker watch: a worker died while the loop was idle.
+_WORKER_DIED = object()
+# Put on the output queue: send nothing more, the process is ending.
+_STOP_SENDING = object()
+
+
+def run_engine_core(
+    args: EngineArgs,
+    engine_index: int,
+    input_address: str,
+    output_address: str,
+    max_waiting_requests: int | None,
+) -> None:
+    """Process entry point: build the engine, shake hands, loop until shutdown or death."""
+    title = f"tidegate::engine_core_{engine_index}"
+    become_child_process(title)
+    ctx = zmq.Context(io_threads=1)
+    requests = ctx.socket(zmq.DEALER)
+    requests.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "little"))
+    requests.setsockopt(zmq.LINGER, 5000)
+    requests.connect(input_address)
+    try:
+        from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
+
+        engine = EngineCore(args, executor_class=MultiprocExecutor)
+    except Exception as error:
+        detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
+        logger.error("engine core %d failed to start: %s", engine_index, detail)
+        requests.send_multipart([FAILED, detail.encode()])
+        requests.close()
+        ctx.term()
+        raise SystemExit(1) from None
+    ready = EngineCoreReady(
+        engine_index=engine_index,
+        max_model_len=engine.max_model_len,
+        num_kv_blocks=engine.kv_cache_manager.num_total_blocks,
+        block_size=args.block_size,
+    )
+    requests.send_multipart([READY, msgspec.msgpack.encode(ready)])
+    proc = EngineCoreProc(engine, engine_index, max_waiting_requests)
+    code = proc.run(ctx, requests, output_address)
+    ctx.term()
+    raise SystemExit(code)
+
+
+class EngineCoreProc:
+    """The busy loop and its two socket threads."""
+
+    def __init__(
+        self, engine: EngineCore, engine_index: int, max_waiting_requests: int | None
+    ) -> None:
+        self.engine = engine
+        self.engine_index = engine_index
+        self.max_waiting_requests = max_waiting_requests
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._shutting_down = threading.Event()
+
+    def run(self, ctx: zmq.Context, requests: zmq.Socket, output_address: str) -> int:
+        """Serve until told to shut down (0) or until something dies (1)."""
+        outputs = ctx.socket(zmq.PUSH)
+        outputs.setsockopt(zmq.LINGER, 5000)
+        outputs.connect(output_address)
+        threads = [
+            threading.Thread(target=self._receive, args=(requests,), name="input", daemon=True),
+            threading.Thread(target=self._send, args=(outputs,), name="output", daemon=True),
+            threading.Thread(target=self._watch_workers, name="worker-watch", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        code = 0
+        try:
+            self._busy_loop()
+        except Exception as error:
+            code = 1
+            reason = str(error) if isinstance(error, EngineDeadError) else traceback.format_exc()
+            logger.error("engine core %d is going down: %s", self.engine_index, reason)
+            self.output_queue.put(EngineCoreOutputs(self.engine_index, engine_dead=reason))
+        self._shutting_down.set()
+        self.output_queue.put(_STOP_SENDING)
+        threads[1].join(timeout=5.0)
+        self.engine.shutdown()
+        return code
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _busy_loop(self) -> None:
+        engine = self.engine
+        while True:
+            if not self._handle_inputs(block=not engine.has_unfinished_requests()):
+                return
+            if not engine.has_unfinished_requests():
+                continue
+            outputs = engine.step()
+            scheduled = engine.last_scheduler_output
+            num_tokens = scheduled.total_num_scheduled_tokens if scheduled else 0
+            self.output_queue.put(
+                EngineCoreOutputs(
+                    self.engine_index,
+                    outputs=outputs,
+                    scheduler_stats=engine.scheduler_stats(num_tokens),
+                )
+            )
+
+    def _handle_inputs(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once shutdown was asked for."""
+        rejected: list[str] = []
+        changed = False
+        while True:
+            try:
+                item = self.input_queue.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if item is _WORKER_DIED:
+                self.engine.executor.check_alive()
+                raise EngineDeadError("a worker process died")
+            kind, payload = item
+            if kind is EngineCoreRequestType.SHUTDOWN:
+                return False
+            changed = True
+            if kind is EngineCoreRequestType.ABORT:
+                self.engine.abort_requests(payload)
+            elif self._queue_full():
+                rejected.append(payload.request_id)
+            else:
+                self.engine.add_request(_to_request(payload))
+        if rejected or (changed and not self.engine.has_unfinished_requests()):
+            # No step follows to report the new state (an abort emptied the engine, or a
+            # request was refused): report it now.
+            self.output_queue.put(
+                EngineCoreOutputs(
+                    self.engine_index,
+                    scheduler_stats=self.engine.scheduler_stats(),
+                    rejected_request_ids=rejected,
+                )
+            )
+        return True
+
+    def _queue_full(self) -> bool:
+        limit = self.max_waiting_requests
+        return limit is not None and self.engine.scheduler.num_waiting >= limit
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def _receive(self, socket: zmq.Socket) -> None:
+        """Decode requests off the socket into the input queue."""
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        try:
+            while True:
+                kind_frame, payload = socket.recv_multipart(copy=False)
+                kind = EngineCoreRequestType(kind_frame.bytes)
+                if kind is EngineCoreRequestType.ADD:
+                    self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+                elif kind is EngineCoreRequestType.ABORT:
+                    self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
+                else:
+                    self.input_queue.put((kind, None))
+                    return
+        except zmq.ZMQError:
+            return  # the context is terminating
+        finally:
+            socket.close(linger=0)
+
+    def _send(self, socket: zmq.Socket) -> None:
+        """Encode outputs from the output queue onto the socket."""
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP_SENDING:
+                socket.close(linger=5000)
+                return
+            socket.send(encoder.encode(item), copy=False)
+
+    def _watch_workers(self) -> None:
+        """Wake the loop when a worker dies, even while it is idle."""
+        import multiprocessing.connection
+
+        multiprocessing.connection.wait(self.engine.executor.sentinels)
+        if not self._shutting_down.is_set():
+            self.input_queue.put(_WORKER_DIED)
+
+
+def _to_request(message: EngineCoreRequest) -> Request:
+    return Request(
+        request_id=message.request_id,
+        prompt_token_ids=message.prompt_token_ids,
+        sampling_params=message.sampling_params,
+        eos_token_ids=set(message.eos_token_ids),
+        cache_salt=message.cache_salt,
+        arrival_time=message.arrival_time,
+    )

@@ -1,0 +1,145 @@
+"""One API request, many engine requests: every prompt x choice is checked, submitted, merged.
+
+Choice `prompt_index * n + i` of the response is engine request `<id>-<prompt_index>-<i>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidegate.engine.core.request import Request
+from tidegate.engine.entrypoints.openai.async_iterators import (
+    MergedIterators,
+    aclose_all,
+    first_items,
+    merge_async_iterators,
+)
+from tidegate.engine.entrypoints.openai.engine_client import EngineClient
+from tidegate.engine.entrypoints.openai.responses import PromptTokensDetails, Usage
+from tidegate.engine.outputs import Logprob, RequestOutput
+from tidegate.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SubRequest:
+    """One engine request of an API request."""
+
+    index: int  # the choice index in the response
+    request: Request
+    prompt: str | None  # the prompt text, when the client sent text
+
+
+def build_sub_requests(
+    engine: EngineClient,
+    request_id: str,
+    prompts: Sequence[str | list[int]],
+    params: SamplingParams,
+    n: int,
+    cache_salt: str | None = None,
+) -> list[SubRequest]:
+    """Check every prompt x choice (raising ValueError) before anything reaches the engine.
+
+    max_tokens None means "up to the context limit"; with a seed, choice i samples with
+    seed + i so that the n choices differ yet the response is reproducible.
+    """
+    subs = []
+    for prompt_index, prompt in enumerate(prompts):
+        token_ids = engine.input_processor.prompt_token_ids(prompt)
+        prompt_params = params
+        if params.max_tokens is None:
+            room = max(1, engine.max_model_len - len(token_ids))
+            prompt_params = dataclasses.replace(params, max_tokens=room)
+        for choice in range(n):
+            choice_params = prompt_params
+            if params.seed is not None:
+                choice_params = dataclasses.replace(prompt_params, seed=params.seed + choice)
+            request = engine.input_processor.process(
+                f"{request_id}-{prompt_index}-{choice}", token_ids, choice_params, cache_salt
+            )
+            text = prompt if isinstance(prompt, str) else None
+            subs.append(SubRequest(prompt_index * n + choice, request, text))
+    return subs
+
+
+async def start_generation(
+    engine: EngineClient, subs: Sequence[SubRequest]
+) -> MergedIterators[RequestOutput]:
+    """Submit every sub-request and wait for each one's first output.
+
+    Overload (raised on the first output) and engine death thus surface before a response
+    starts, as real HTTP statuses; on any failure every sub-request is aborted.
+    """
+    iterators = []
+    try:
+        for sub in subs:
+            iterators.append(engine.generate(sub.request, sub.prompt))
+    except BaseException:
+        await aclose_all(iterators, [])
+        raise
+    firsts = await first_items(iterators)
+    return merge_async_iterators(iterators, firsts)
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far, accumulated from the engine's delta outputs."""
+
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold in one delta output."""
+        completion = output.outputs[0]
+        self.text_parts.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs:
+            self.logprobs.extend(completion.logprobs)
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        self.num_cached_tokens = output.num_cached_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+async def collect(merged: MergedIterators[RequestOutput], num_choices: int) -> list[ChoiceState]:
+    """Run every sub-request to the end (non-streaming responses)."""
+    states = [ChoiceState() for _ in range(num_choices)]
+    try:
+        async for index, output in merged:
+            states[index].add(output)
+    finally:
+        await merged.aclose()
+    return states
+
+
+async def run_to_completion(engine: EngineClient, subs: Sequence[SubRequest]) -> list[ChoiceState]:
+    """Submit every sub-request and accumulate each to its end (non-streaming responses)."""
+    return await collect(await start_generation(engine, subs), len(subs))
+
+
+def usage(states: Sequence[ChoiceState], n: int) -> Usage:
+    """Token counts of a response: each prompt counted once, however many choices it has."""
+    prompt_tokens = cached_tokens = 0
+    for first in range(0, len(states), n):
+        group = states[first : first + n]
+        prompt_tokens += group[0].num_prompt_tokens
+        # Cached for every choice of the prompt; never more than the prompt itself.
+        cached_tokens += min(state.num_cached_tokens for state in group)
+    completion_tokens = sum(len(state.token_ids) for state in states)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )

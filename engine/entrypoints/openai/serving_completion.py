@@ -1,0 +1,114 @@
+"""POST /v1/completions: prompts in, text out, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
+
+from tidegate.engine.entrypoints.openai.async_iterators import MergedIterators
+from tidegate.engine.entrypoints.openai.disconnect import cancel_on_disconnect
+from tidegate.engine.entrypoints.openai.engine_client import EngineClient
+from tidegate.engine.entrypoints.openai.fan_out import (
+    ChoiceState,
+    build_sub_requests,
+    run_to_completion,
+    start_generation,
+    usage,
+)
+from tidegate.engine.entrypoints.openai.logprobs import completion_logprobs
+from tidegate.engine.entrypoints.openai.protocol import CompletionRequest
+from tidegate.engine.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+)
+from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
+from tidegate.engine.outputs import Logprob, RequestOutput
+
+
+class CompletionServing:
+    """Runs completion requests against an engine."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    async def create(self, body: CompletionRequest, http_request: HTTPRequest) -> Response:
+        """Validate every prompt x choice, then generate; streams when body.stream."""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+        subs = build_sub_requests(
+            self.engine, request_id, body.prompts(), params, body.n, body.cache_salt
+        )
+        header = CompletionResponse(
+            id=request_id, created=int(time.time()), model=body.model, choices=[]
+        )
+        if body.stream:
+            merged = await cancel_on_disconnect(http_request, start_generation(self.engine, subs))
+            chunks = self._stream(body, header, merged, len(subs))
+            return EventStreamResponse(sse_events(chunks), on_close=merged.aclose)
+
+        states = await cancel_on_disconnect(http_request, run_to_completion(self.engine, subs))
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=state.text,
+                logprobs=self._logprobs(body, state.token_ids, state.logprobs, 0),
+                finish_reason=state.finish_reason,
+                stop_reason=state.stop_reason,
+            )
+            for index, state in enumerate(states)
+        ]
+        response = header.model_copy(update={"choices": choices, "usage": usage(states, body.n)})
+        return JSONResponse(response.model_dump())
+
+    def _logprobs(
+        self,
+        body: CompletionRequest,
+        token_ids: Sequence[int],
+        logprobs: Sequence[dict[int, Logprob]],
+        text_offset: int,
+    ) -> CompletionLogprobs | None:
+        if body.logprobs is None:
+            return None
+        return completion_logprobs(
+            self.engine.tokenizer, token_ids, logprobs, body.logprobs, text_offset
+        )
+
+    async def _stream(
+        self,
+        body: CompletionRequest,
+        header: CompletionResponse,
+        merged: MergedIterators[RequestOutput],
+        num_choices: int,
+    ) -> AsyncIterator[CompletionResponse]:
+        states = [ChoiceState() for _ in range(num_choices)]
+        text_offsets = [0] * num_choices
+        try:
+            async for index, output in merged:
+                states[index].add(output)
+                delta = output.outputs[0]
+                has_logprobs = body.logprobs is not None and bool(delta.token_ids)
+                if not delta.text and delta.finish_reason is None and not has_logprobs:
+                    continue  # a held-back stop-string prefix: nothing to show yet
+                logprobs = self._logprobs(
+                    body, delta.token_ids, delta.logprobs or [], text_offsets[index]
+                )
+                if logprobs is not None:
+                    text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+                choice = CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                yield header.model_copy(update={"choices": [choice]})
+            if body.include_usage:
+                yield header.model_copy(update={"usage": usage(states, body.n)})
+        finally:
+            await merged.aclose()

@@ -1,0 +1,127 @@
+"""`tidegate serve`: the API server process, its engine core, and an orderly life cycle.
+
+Exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
+1 when the engine could not start or an engine process died (Kubernetes restarts the pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from tidegate.engine.async_llm import AsyncLLM
+from tidegate.engine.config import EngineArgs, ServerArgs
+from tidegate.engine.metrics import PrometheusMetrics
+from tidegate.engine.process import LOG_FORMAT, name_process
+
+logger = logging.getLogger("tidegate.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stop signal ends serve() instead of killing us.
+
+    uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
+    process before the engine core is stopped and turn a clean drain into exit code 143.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Run until stopped; returns the process exit code."""
+    name_process("tidegate::api")
+    os.environ.setdefault("TIDEGATE_LOG_LEVEL", server_args.log_level.upper())
+    logging.basicConfig(level=server_args.log_level.upper(), format=LOG_FORMAT)
+    return asyncio.run(_serve(engine_args, server_args))
+
+
+async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    started = time.monotonic()
+    names = server_args.served_model_name or [engine_args.model]
+    metrics = PrometheusMetrics(names[0], compat=server_args.metrics_compat)
+    # A Ctrl-C or SIGTERM while the model loads stops the start-up cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(
+        AsyncLLM.start(engine_args, server_args.max_waiting_requests, metrics)
+    )
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+    if not starting.done():
+        logger.info("stopped while starting")
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        return 0
+    stopping.cancel()
+    try:
+        engine = starting.result()
+    except (ValueError, RuntimeError) as error:
+        logger.error("tidegate serve could not start: %s", error)
+        return 1
+
+    from tidegate.engine.entrypoints.openai.api_server import build_app
+
+    app = build_app(
+        engine,
+        served_model_names=names,
+        model_path=engine_args.model,
+        api_key=server_args.api_key,
+        metrics=metrics,
+    )
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level,
+        timeout_graceful_shutdown=server_args.shutdown_timeout,
+        lifespan="off",
+        access_log=False,
+    )
+    server = _Server(config)
+    exit_code = 0
+
+    def on_dead(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("shutting down: %s", reason)
+        server.should_exit = True
+
+    engine.on_dead = on_dead
+    if engine.is_dead:
+        on_dead(engine.dead_reason or "the engine died while starting")
+    logger.info(
+        "engine ready in %.1f s; serving %s on http://%s:%d",
+        time.monotonic() - started,
+        ", ".join(names),
+        server_args.host,
+        server_args.port,
+    )
+    try:
+        await server.serve()
+    finally:
+        await engine.shutdown()
+    if server.started is False and exit_code == 0:
+        return 1  # could not bind the port; uvicorn said why
+    return exit_code

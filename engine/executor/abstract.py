@@ -1,0 +1,37 @@
+"""The EngineCore's view of its workers: size the cache, run a step, shut down."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.model.config import ModelConfig
+
+
+class Executor(ABC):
+    """Runs the model for the EngineCore, in this process or in worker processes."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """KV blocks every worker can hold (the smallest of their answers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the same number of blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker and return rank 0's sampled tokens."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where the model runs, for the startup log line."""
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to stop for an in-process worker
+        """Stop the workers; idempotent."""

@@ -1,0 +1,138 @@
+"""Worker processes driven through a shared-memory broadcast queue."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.messages import (
+    ExecuteModel,
+    InitializeKVCache,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    ShutdownWorker,
+    WorkerCommand,
+    WorkerFailure,
+    WorkerReady,
+    WorkerReply,
+    WorkerResult,
+)
+from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
+from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.worker.worker_proc import run_worker
+
+logger = logging.getLogger(__name__)
+
+# A worker that does not stop within this many seconds of being told is killed.
+_SHUTDOWN_GRACE_S = 5.0
+
+
+class MultiprocExecutor(Executor):
+    """Starts one worker process per tensor-parallel rank and steps them together."""
+
+    world_size = 1
+    title_prefix = "tidegate::"
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
+        super().__init__(args, model_config, max_model_len)
+        ctx = multiprocessing.get_context("spawn")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkerReply)
+        self._queue = ShmBroadcastQueue.create(num_readers=self.world_size, ctx=ctx)
+        self._replies: list[Connection] = []
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        self._stopping = False
+        for rank in range(self.world_size):
+            ours, theirs = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=run_worker,
+                args=(args, max_model_len, rank, self._queue.handle, theirs, self.title_prefix),
+                name=f"{self.title_prefix}worker_tp{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self._replies.append(ours)
+            self.workers.append(process)
+        try:
+            ready = [self._receive(rank) for rank in range(self.world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        # Every reader has attached: drop the name so nothing outlives us in /dev/shm.
+        self._queue.unlink()
+        self._num_kv_blocks = min(r.num_kv_blocks for r in ready if isinstance(r, WorkerReady))
+
+    @property
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a worker exits."""
+        return [process.sentinel for process in self.workers]
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if any worker has exited."""
+        for rank, process in enumerate(self.workers):
+            if process.exitcode is not None:
+                raise EngineDeadError(
+                    f"worker tp{rank} (pid {process.pid}) exited with code {process.exitcode}"
+                )
+
+    def _receive(self, rank: int) -> WorkerReady | WorkerResult:
+        """The next reply of one worker; a failure or a death raises instead."""
+        conn = self._replies[rank]
+        while True:
+            ready = multiprocessing.connection.wait([conn, *self.sentinels])
+            if conn in ready:
+                try:
+                    reply = self._decoder.decode(conn.recv_bytes())
+                except EOFError:
+                    self.workers[rank].join(timeout=1.0)
+                    self.check_alive()
+                    raise EngineDeadError(f"worker tp{rank} closed its reply pipe") from None
+                if isinstance(reply, WorkerFailure):
+                    raise EngineDeadError(f"worker tp{reply.rank} failed:\n{reply.error}")
+                return reply
+            self.check_alive()
+
+    def _broadcast(self, command: WorkerCommand) -> None:
+        self._queue.enqueue(self._encoder.encode(command), check=self.check_alive)
+
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(InitializeKVCache(num_blocks=num_blocks))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(ExecuteModel(scheduler_output=scheduler_output))
+        reply = self._receive(0)
+        assert isinstance(reply, WorkerResult), reply
+        return reply.output
+
+    def describe(self) -> str:
+        pids = ", ".join(str(process.pid) for process in self.workers)
+        return f"{self.world_size} worker process(es) (pid {pids})"
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if all(process.exitcode is None for process in self.workers):
+            with contextlib.suppress(EngineDeadError, OSError):
+                self._broadcast(ShutdownWorker())
+        for process in self.workers:
+            process.join(timeout=_SHUTDOWN_GRACE_S)
+            if process.exitcode is None:
+                logger.warning("worker pid %d did not stop; killing it", process.pid)
+                process.kill()
+                process.join(timeout=_SHUTDOWN_GRACE_S)
+        for conn in self._replies:
+            conn.close()
+        self._queue.close()

@@ -1,0 +1,31 @@
+"""One worker inside the calling process: the offline API and tests use this."""
+
+from __future__ import annotations
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.model.config import ModelConfig
+
+
+class UniProcExecutor(Executor):
+    """Calls a Worker directly; no processes, no serialization."""
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
+        super().__init__(args, model_config, max_model_len)
+        # Imported here so that an EngineCore with worker processes never imports torch.
+        from tidegate.engine.worker.worker import Worker
+
+        self.worker = Worker(args, model_config, max_model_len)
+
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def describe(self) -> str:
+        return self.worker.describe()

@@ -1,0 +1,202 @@
+"""Prometheus metrics of the API server, named like vLLM's under `tidegate:`.
+
+With `compat="vllm"` every metric is also exported under its `vllm:` name, so Grafana
+dashboards, KEDA scalers and the Gateway API Inference Extension built for vLLM read Tidegate
+unchanged. Each metric is declared once in `METRICS` and created once per prefix; every series
+carries `model_name` and `engine` labels, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from tidegate.engine.core.messages import SchedulerStats
+
+# fmt: off
+# vLLM's TTFT buckets: from 1 ms up to the minutes a long prompt behind a queue can take.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's start at 10 ms; a small model on a fast GPU decodes a token in a few.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Whole requests and time in the queue: a few ms (idle server) to hours (huge batch jobs).
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                   20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+# Token counts: powers of two up to 128Ki, beyond any context length we serve today.
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its name without prefix, kind, help text, buckets and extra labels."""
+
+    name: str
+    kind: type[Gauge] | type[Counter] | type[Histogram]
+    documentation: str
+    buckets: tuple[float, ...] = ()
+    labels: tuple[str, ...] = ()
+
+
+METRICS = (
+    MetricSpec("num_requests_running", Gauge, "Number of requests in model execution batches."),
+    MetricSpec("num_requests_waiting", Gauge, "Number of requests waiting to be processed."),
+    MetricSpec("kv_cache_usage_perc", Gauge, "KV-cache usage: 1 means 100 percent usage."),
+    MetricSpec("prefix_cache_queries", Counter, "Prefix cache queries, in queried tokens."),
+    MetricSpec("prefix_cache_hits", Counter, "Prefix cache hits, in cached tokens."),
+    MetricSpec("num_preemptions", Counter, "Cumulative number of preemptions."),
+    MetricSpec("prompt_tokens", Counter, "Number of prefill tokens processed."),
+    MetricSpec("generation_tokens", Counter, "Number of generation tokens processed."),
+    MetricSpec(
+        "request_success", Counter, "Count of finished requests.", labels=("finished_reason",)
+    ),
+    MetricSpec(
+        "time_to_first_token_seconds", Histogram, "Time to first token in seconds.", TTFT_BUCKETS
+    ),
+    MetricSpec(
+        "inter_token_latency_seconds", Histogram, "Inter-token latency in seconds.", ITL_BUCKETS
+    ),
+    MetricSpec(
+        "e2e_request_latency_seconds",
+        Histogram,
+        "End-to-end request latency in seconds.",
+        REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "request_queue_time_seconds",
+        Histogram,
+        "Time spent in the waiting queue, in seconds.",
+        REQUEST_BUCKETS,
+    ),
+    # vLLM's name really ends in _total although it is a histogram; dashboards query it so.
+    MetricSpec(
+        "iteration_tokens_total", Histogram, "Number of tokens per engine step.", TOKEN_BUCKETS
+    ),
+    MetricSpec(
+        "request_prompt_tokens", Histogram, "Number of prefill tokens per request.", TOKEN_BUCKETS
+    ),
+    MetricSpec(
+        "request_generation_tokens",
+        Histogram,
+        "Number of generation tokens per request.",
+        TOKEN_BUCKETS,
+    ),
+)
+
+# SchedulerStats totals that feed counters of the same name.
+_STATS_TOTALS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+
+class PrometheusMetrics:
+    """The metrics of one served model and engine, in their own registry."""
+
+    def __init__(
+        self, model_name: str, compat: Literal["none", "vllm"] = "none", engine_index: int = 0
+    ) -> None:
+        if compat not in ("none", "vllm"):
+            raise ValueError(f"compat is {compat!r}; allowed: 'none', 'vllm'")
+        self.registry = CollectorRegistry()
+        prefixes = ("tidegate:", "vllm:") if compat == "vllm" else ("tidegate:",)
+        self._base_labels = {"model_name": model_name, "engine": str(engine_index)}
+        # Metric name -> the same metric under each prefix.
+        self._families: dict[str, list[Any]] = {
+            spec.name: [self._create(prefix, spec) for prefix in prefixes] for spec in METRICS
+        }
+        # (name, extra label values) -> labelled series under each prefix.
+        self._series_cache: dict[tuple[str, ...], list[Any]] = {}
+        self._last_totals = dict.fromkeys(_STATS_TOTALS, 0)
+        # Every series exists from the start, so dashboards and scalers read 0, not "no data".
+        for spec in METRICS:
+            if not spec.labels:
+                self._series(spec.name)
+        for reason in FINISH_REASONS:
+            self._series("request_success", finished_reason=reason)
+
+    def _create(self, prefix: str, spec: MetricSpec) -> Any:
+        kwargs: dict[str, Any] = {"buckets": spec.buckets} if spec.buckets else {}
+        return spec.kind(
+            prefix + spec.name,
+            spec.documentation,
+            labelnames=(*self._base_labels, *spec.labels),
+            registry=self.registry,
+            **kwargs,
+        )
+
+    def _series(self, name: str, **labels: str) -> list[Any]:
+        key = (name, *labels.values())
+        series = self._series_cache.get(key)
+        if series is None:
+            series = [m.labels(**self._base_labels, **labels) for m in self._families[name]]
+            self._series_cache[key] = series
+        return series
+
+    def _set(self, name: str, value: float) -> None:
+        for series in self._series(name):
+            series.set(value)
+
+    def _inc(self, name: str, amount: float, **labels: str) -> None:
+        for series in self._series(name, **labels):
+            series.inc(amount)
+
+    def _observe(self, name: str, value: float) -> None:
+        for series in self._series(name):
+            series.observe(value)
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Set the gauges, advance counters by the growth of the engine's totals."""
+        self._set("num_requests_running", stats.num_running)
+        self._set("num_requests_waiting", stats.num_waiting)
+        self._set("kv_cache_usage_perc", stats.kv_cache_usage)
+        for name in _STATS_TOTALS:
+            total = getattr(stats, name)
+            last = self._last_totals[name]
+            # A total below the last one means the engine restarted and counts from 0 again.
+            self._inc(name, total - last if total >= last else total)
+            self._last_totals[name] = total
+        if stats.num_batched_tokens > 0:
+            self._observe("iteration_tokens_total", stats.num_batched_tokens)
+
+    def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Count tokens prefilled and generated since the last call."""
+        self._inc("prompt_tokens", prompt_tokens)
+        self._inc("generation_tokens", generation_tokens)
+
+    def record_first_token(self, ttft_s: float) -> None:
+        """Observe one request's time to first token."""
+        self._observe("time_to_first_token_seconds", ttft_s)
+
+    def record_inter_token(self, itl_s: float) -> None:
+        """Observe the time between two tokens of one request."""
+        self._observe("inter_token_latency_seconds", itl_s)
+
+    def record_finished(
+        self,
+        finish_reason: str,
+        e2e_s: float,
+        queue_time_s: float | None,
+        prompt_tokens: int,
+        generation_tokens: int,
+    ) -> None:
+        """Count a finished request and observe its latency and sizes."""
+        self._inc("request_success", 1, finished_reason=finish_reason)
+        self._observe("e2e_request_latency_seconds", e2e_s)
+        if queue_time_s is not None:
+            self._observe("request_queue_time_seconds", queue_time_s)
+        self._observe("request_prompt_tokens", prompt_tokens)
+        self._observe("request_generation_tokens", generation_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type, for the /metrics route."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

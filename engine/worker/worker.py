@@ -1,0 +1,62 @@
+"""A worker: one model shard on one device, its KV cache, and the steps it runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# On GPUs the cache takes this share of the memory left after the weights.
+_GPU_KV_CACHE_FRACTION = 0.9
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto means CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is visible")
+    return torch.device(name)
+
+
+class Worker:
+    """Loads the model onto its device, sizes the KV cache, and executes scheduled steps."""
+
+    def __init__(
+        self, args: EngineArgs, model_config: ModelConfig, max_model_len: int, rank: int = 0
+    ) -> None:
+        self.args = args
+        self.rank = rank
+        self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+        self.runner = ModelRunner(args, model_config, max_model_len, self.device)
+
+    def describe(self) -> str:
+        """Device and dtype, for the startup log line."""
+        return f"{self.device}, {self.runner.dtype}"
+
+    def num_kv_blocks(self) -> int:
+        """How many KV blocks fit in the memory this worker may give the cache."""
+        if self.args.num_gpu_blocks is not None:
+            return self.args.num_gpu_blocks
+        per_block = self.runner.kv_cache_bytes_per_block()
+        budget = self.args.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _GPU_KV_CACHE_FRACTION)
+        return max(1, (budget or DEFAULT_KV_CACHE_MEMORY) // per_block)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,69 @@
+"""The worker process: read commands from the broadcast queue, run them, reply from rank 0."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.messages import (
+    ExecuteModel,
+    InitializeKVCache,
+    ShutdownWorker,
+    WorkerCommand,
+    WorkerFailure,
+    WorkerReady,
+    WorkerReply,
+    WorkerResult,
+)
+from tidegate.engine.distributed.shm_broadcast import ShmBroadcastReader, ShmQueueHandle
+from tidegate.engine.process import become_child_process
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(
+    args: EngineArgs,
+    max_model_len: int,
+    rank: int,
+    commands: ShmQueueHandle,
+    replies: Connection,
+    title_prefix: str,
+) -> None:
+    """Process entry point: load the shard, report readiness, then serve commands until told."""
+    become_child_process(f"{title_prefix}worker_tp{rank}")
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(WorkerCommand)
+
+    def reply(message: WorkerReply) -> None:
+        replies.send_bytes(encoder.encode(message))
+
+    try:
+        # Imported after naming the process: torch takes a second or two to import.
+        from tidegate.engine.model.config import ModelConfig
+        from tidegate.engine.worker.worker import Worker
+
+        worker = Worker(args, ModelConfig.from_pretrained(args.model), max_model_len, rank)
+        reader = ShmBroadcastReader(commands, rank)
+        reply(WorkerReady(rank=rank, num_kv_blocks=worker.num_kv_blocks()))
+        while True:
+            command = decoder.decode(reader.dequeue())
+            if isinstance(command, ExecuteModel):
+                output = worker.execute_model(command.scheduler_output)
+                if rank == 0:
+                    reply(WorkerResult(output=output))
+            elif isinstance(command, InitializeKVCache):
+                worker.initialize_kv_cache(command.num_blocks)
+            elif isinstance(command, ShutdownWorker):
+                break
+        reader.close()
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("worker %d failed:\n%s", rank, message)
+        try:
+            reply(WorkerFailure(rank=rank, error=message))
+        finally:
+            raise SystemExit(1) from None

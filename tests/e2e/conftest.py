@@ -1,0 +1,37 @@
+"""One shared server for the client-behaviour tests; the fault tests start their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.server import ServerProcess
+
+API_KEY = "test-key"
+SERVED_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """`tidegate serve` on the tiny Llama, with an API key and vLLM metric names."""
+    proc = ServerProcess(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("logs"),
+        "--served-model-name",
+        SERVED_NAME,
+        "--api-key",
+        API_KEY,
+        "--metrics-compat",
+        "vllm",
+        "--max-model-len",
+        "512",
+    )
+    try:
+        yield proc.wait_healthy()
+    finally:
+        code = proc.stop()
+        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"

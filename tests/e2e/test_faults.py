@@ -1,0 +1,213 @@
+"""Process topology and failures: what Kubernetes and clients see when things go wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import API_KEY, SERVED_NAME
+from tests.e2e.server import ServerProcess
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(base_url: str, name: str) -> float:
+    """The value of one unlabelled-by-us sample from /metrics."""
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_for(condition, deadline_s: float, what: str) -> None:
+    """Poll `condition` until it holds or the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class EventStream:
+    """The SSE events of one streaming response, read incrementally."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._lines = response.aiter_lines()
+
+    async def next_event(self) -> dict | None:
+        """The next event, or None at [DONE] or the end of the connection."""
+        async for line in self._lines:
+            if line == "data: [DONE]":
+                return None
+            if line.startswith("data: "):
+                return json.loads(line[len("data: ") :])
+        return None
+
+    async def rest(self) -> list[dict]:
+        """Every remaining event."""
+        events = []
+        while (event := await self.next_event()) is not None:
+            events.append(event)
+        return events
+
+
+async def open_stream(client: httpx.AsyncClient, max_tokens: int, **extra) -> EventStream:
+    """A streaming completion that has answered 200 (so it is admitted and running)."""
+    request = client.build_request(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": SERVED_NAME,
+            "prompt": "The tide comes in and",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            **extra,
+        },
+        headers=HEADERS,
+    )
+    response = await client.send(request, stream=True)
+    assert response.status_code == 200, await response.aread()
+    return EventStream(response)
+
+
+def start_server(tiny_llama_dir: Path, tmp_path: Path, *flags: str) -> ServerProcess:
+    return ServerProcess(
+        tiny_llama_dir, tmp_path, "--served-model-name", SERVED_NAME, "--api-key", API_KEY, *flags
+    ).wait_healthy()
+
+
+def test_api_server_engine_core_and_worker_are_named_processes(server):
+    children = server.children()
+    assert set(children) >= {"tidegate::engine_core_0", "tidegate::worker_tp0"}
+    api = psutil.Process(server.process.pid)
+    assert " ".join(api.cmdline()).strip() == "tidegate::api"
+    pids = {api.pid, *(child.pid for child in children.values())}
+    assert len(pids) == 3
+    worker = children["tidegate::worker_tp0"]
+    assert worker.ppid() == children["tidegate::engine_core_0"].pid
+    assert worker.name().startswith("tidegate::work")  # `top` shows the 15-byte comm
+
+
+def test_client_disconnect_mid_stream_frees_its_kv_blocks(server):
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            stream = await open_stream(client, max_tokens=400)
+            for _ in range(5):
+                assert await stream.next_event() is not None
+            usage = metric(server.base_url, "tidegate:kv_cache_usage_perc")
+            assert usage > 0
+            await stream.response.aclose()
+
+    asyncio.run(run())
+    wait_for(
+        lambda: (
+            metric(server.base_url, "tidegate:num_requests_running") == 0
+            and metric(server.base_url, "tidegate:kv_cache_usage_perc") == 0
+        ),
+        10,
+        "the disconnected request to be aborted and its blocks freed",
+    )
+
+
+def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir, tmp_path):
+    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::engine_core_0")
+
+
+def test_worker_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir, tmp_path):
+    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::worker_tp0")
+
+
+def _assert_death_is_fatal(model_dir: Path, tmp_path: Path, victim_title: str) -> None:
+    server = start_server(model_dir, tmp_path)
+    try:
+        victim = server.children()[victim_title]
+        others = [p for t, p in server.children().items() if t != victim_title]
+
+        async def run() -> tuple[list[list[dict]], httpx.Response, float]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+                streams = [await open_stream(client, max_tokens=3000) for _ in range(2)]
+                for stream in streams:  # both are producing tokens
+                    assert await stream.next_event() is not None
+                pending = asyncio.ensure_future(
+                    client.post(
+                        "/v1/completions",
+                        json={
+                            "model": SERVED_NAME,
+                            "prompt": "x",
+                            "max_tokens": 3000,
+                            "ignore_eos": True,
+                        },
+                        headers=HEADERS,
+                    )
+                )
+                await asyncio.sleep(0)  # let the request go out before the kill
+                killed_at = time.monotonic()
+                victim.send_signal(signal.SIGKILL)
+                events = [await stream.rest() for stream in streams]
+                return events, await pending, killed_at
+
+        events, pending, killed_at = asyncio.run(run())
+        for stream_events in events:
+            assert "error" in stream_events[-1], stream_events[-1]
+            assert stream_events[-1]["error"]["type"] == "server_error"
+        assert pending.status_code == 503, pending.text
+        assert "error" in pending.json()
+        code = server.wait_exit(timeout=15)
+        assert time.monotonic() - killed_at < 15
+        assert code != 0
+        psutil.wait_procs(others, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in others)
+    finally:
+        server.stop()
+
+
+def test_full_queue_answers_429_then_sigterm_drains_and_exits_zero(tiny_llama_dir, tmp_path):
+    server = start_server(
+        tiny_llama_dir, tmp_path, "--max-num-seqs", "1", "--max-waiting-requests", "1"
+    )
+
+    async def run() -> tuple[httpx.Response, list[dict], list[dict]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            running = await open_stream(client, max_tokens=300)
+            waiting = asyncio.ensure_future(open_stream(client, max_tokens=20))
+            await asyncio.to_thread(
+                wait_for,
+                lambda: metric(server.base_url, "tidegate:num_requests_waiting") == 1,
+                10,
+                "the second request to wait",
+            )
+            refused = await client.post(
+                "/v1/completions",
+                json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 5},
+                headers=HEADERS,
+            )
+            # Both admitted requests are in flight when the pod is told to stop.
+            server.process.send_signal(signal.SIGTERM)
+            first = await running.rest()
+            second = await (await waiting).rest()
+            return refused, first, second
+
+    refused, first, second = asyncio.run(run())
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"]
+    assert (
+        refused.json()["error"]["type"] == "rate_limit_error" or refused.json()["error"]["message"]
+    )
+    assert "waiting queue is full" in refused.json()["error"]["message"]
+    # Drained: both requests finished in full after SIGTERM.
+    assert first[-1]["choices"][0]["finish_reason"] == "length"
+    assert second[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.wait_exit(timeout=30) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.base_url}/health", timeout=2)
+    server.stop()

@@ -1,0 +1,207 @@
+"""A real `tidegate serve`, driven by the official openai package, behaves like OpenAI's API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY, SERVED_NAME
+from tidegate.engine import LLM, SamplingParams
+
+PROMPTS = ["The tide comes in", "A cluster of machines", "Once upon a time,"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir) -> LLM:
+    return LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=512, num_gpu_blocks=64)
+
+
+def test_greedy_completions_match_the_offline_engine(client, offline):
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        got = client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=24, temperature=0
+        )
+        assert got.choices[0].text == want.outputs[0].text
+        assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_chat_uses_the_template_and_matches_the_offline_engine(client, offline):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a river."},
+    ]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0]
+    got = client.chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=20, temperature=0
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_streaming_chat_sends_deltas_then_usage(client):
+    stream = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Tell me about tides."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    full = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "Tell me about tides."}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert text == full.choices[0].message.content
+
+
+def test_streaming_completion_equals_the_non_streaming_one(client):
+    parts, usage = [], None
+    for chunk in client.completions.create(
+        model=SERVED_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        parts.extend(c.text for c in chunk.choices)
+    whole = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0
+    )
+    assert "".join(parts) == whole.choices[0].text
+    assert usage is not None and usage.total_tokens == usage.prompt_tokens + 20
+
+
+def test_stop_strings_end_the_text_and_never_leak_into_the_stream(client):
+    full = (
+        client.completions.create(
+            model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3
+    expected = full[: full.index(stop)]
+    got = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert got.choices[0].text == expected
+    assert got.choices[0].finish_reason == "stop"
+    streamed = ""
+    for chunk in client.completions.create(
+        model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop], stream=True
+    ):
+        streamed += "".join(c.text for c in chunk.choices)
+        assert stop not in streamed
+    assert streamed == expected
+
+
+def test_seeded_sampling_is_reproducible_across_calls(client):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=SERVED_NAME, prompt=PROMPTS[2], max_tokens=24, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_n_choices_are_indexed_and_differ(client):
+    got = client.completions.create(
+        model=SERVED_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=16,
+        temperature=1.0,
+        n=3,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert len({c.text for c in got.choices}) > 1
+    assert got.usage.completion_tokens == 3 * 16
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client):
+    prompt = " ".join(["the sea rises and falls"] * 12)
+    first = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens > 32
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole blocks of 16 are shared; the last prompt token is always recomputed.
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16
+
+
+def test_64_concurrent_streams_all_complete(server):
+    async def run() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0
+        ) as aclient:
+
+            async def one(i: int) -> tuple[str, int]:
+                stream = await aclient.completions.create(
+                    model=SERVED_NAME,
+                    prompt=f"Request number {i} says",
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                finish, tokens = "", 0
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return finish, tokens
+
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 120)
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    assert all(finish in ("length", "stop") and tokens >= 1 for finish, tokens in results)
+    assert sum(tokens == 12 for _, tokens in results) >= 32
+
+
+def test_models_tokenize_detokenize_version(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    models = httpx.get(f"{server.base_url}/v1/models", headers=headers).json()
+    assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+    assert models["data"][0]["max_model_len"] == 512
+    tokens = httpx.post(
+        f"{server.base_url}/tokenize", json={"prompt": "The tide"}, headers=headers
+    ).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = httpx.post(
+        f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers
+    ).json()
+    assert text["prompt"] == "<s>The tide"  # special tokens are shown, as vLLM does
+    assert httpx.get(f"{server.base_url}/version").json()["version"]

@@ -1,0 +1,156 @@
+"""A scripted engine with the interface of AsyncLLM, and helpers to call the API app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from tidegate.engine.core.request import Request
+from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
+from tidegate.engine.input_processor import InputProcessor
+from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tidegate.engine.tokenizer import Tokenizer
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+# Every request "generates" this text, one token per output, cut at max_tokens.
+SCRIPT = " the cat sat on the mat and looked at the dog."
+
+
+class FakeEngine:
+    """The interface AsyncLLM gives the API server, generating SCRIPT instead of running a model."""
+
+    def __init__(self, tokenizer: Tokenizer, input_processor: InputProcessor) -> None:
+        self.tokenizer = tokenizer
+        self.input_processor = input_processor
+        self.max_model_len = input_processor.max_model_len
+        self.is_dead = False
+        self.dead_reason: str | None = None
+        self.script_ids = tokenizer.encode(SCRIPT, add_special_tokens=False)
+        self.cached_tokens = 0
+        # What happened, for tests to check.
+        self.submitted: list[Request] = []
+        self.aborted: list[str] = []  # iterators closed or cancelled before they finished
+        self.abort_calls: list[str] = []
+        self.num_holding = 0
+        # What to do: refuse requests past the first `admit`; die after `die_after` outputs
+        # (only requests whose id ends with `die_suffix`); wait forever after `hold_after`
+        # outputs; show no text at `held_back_steps` (it comes with the next output, as when
+        # the engine holds back what may be the start of a stop string).
+        self.admit: int | None = None
+        self.die_after: int | None = None
+        self.die_suffix = ""
+        self.hold_after: int | None = None
+        self.held_back_steps: set[int] = set()
+
+    async def generate(
+        self, request: Request, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        self.submitted.append(request)
+        try:
+            if self.admit is not None and len(self.submitted) > self.admit:
+                raise EngineOverloadedError("the waiting queue is full", retry_after_s=7)
+            async for output in self._script(request, prompt):
+                yield output
+        except (GeneratorExit, asyncio.CancelledError):
+            self.aborted.append(request.request_id)
+            raise
+
+    async def _script(self, request: Request, prompt: str | None) -> AsyncIterator[RequestOutput]:
+        params = request.sampling_params
+        ids = self.script_ids[: params.max_tokens]
+        shown = 0
+        for step, token_id in enumerate(ids):
+            dies = request.request_id.endswith(self.die_suffix)
+            if self.die_after is not None and step >= self.die_after and dies:
+                raise EngineDeadError("engine core process 4242 exited with code -9")
+            if self.hold_after is not None and step >= self.hold_after:
+                self.num_holding += 1
+                await asyncio.get_running_loop().create_future()  # until cancelled
+            await asyncio.sleep(0)  # let other requests interleave, as a real engine does
+            last = step == len(ids) - 1
+            text = self.tokenizer.decode(ids[: step + 1])
+            delta = "" if step in self.held_back_steps and not last else text[shown:]
+            shown += len(delta)
+            finish = None
+            if last:
+                finish = "length" if len(ids) == params.max_tokens else "stop"
+            yield RequestOutput(
+                request_id=request.request_id,
+                prompt=prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text=delta,
+                        token_ids=[token_id],
+                        finish_reason=finish,
+                        logprobs=self._logprobs(token_id, params.logprobs),
+                    )
+                ],
+                finished=last,
+                num_cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
+            )
+
+    def _logprobs(self, token_id: int, num: int | None) -> list[dict[int, Logprob]] | None:
+        if num is None:
+            return None
+        decode = self.tokenizer.decode
+        entry = {token_id: Logprob(token_id, -0.5, 1, decode([token_id]))}
+        for j in range(num):
+            other = 100 + j if 100 + j != token_id else 200 + j
+            entry[other] = Logprob(other, -2.0 - j, j + 2, decode([other]))
+        return [entry]
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+
+    async def wait_holding(self, count: int, timeout_s: float = 5.0) -> None:
+        """Wait until `count` requests are parked at hold_after."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_holding < count:
+            assert time.monotonic() < deadline, f"only {self.num_holding} requests holding"
+            await asyncio.sleep(0.001)
+
+
+class SyncAPI:
+    """Blocking calls into an ASGI app, each on its own event loop; bodies are read fully."""
+
+    def __init__(self, app: Any, raise_app_exceptions: bool = True) -> None:
+        self.app = app
+        self.raise_app_exceptions = raise_app_exceptions
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        async def run() -> httpx.Response:
+            transport = httpx.ASGITransport(
+                app=self.app, raise_app_exceptions=self.raise_app_exceptions
+            )
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+                return await client.request(method, path, **kwargs)
+
+        return asyncio.run(run())
+
+    def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", path, json=body, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", path, **kwargs)
+
+
+def parse_sse(response: httpx.Response) -> list[Any]:
+    """The events of an SSE body: parsed JSON, or the string "[DONE]"; checks the framing."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    text = response.text
+    assert text.endswith("\n\n")
+    events = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events

@@ -1,0 +1,160 @@
+"""POST /v1/chat/completions as a client sees it: the template, replies, streaming, logprobs."""
+
+from __future__ import annotations
+
+from tests.engine.entrypoints.fake_engine import MAX_MODEL_LEN, MODEL, SCRIPT, parse_sse
+
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "where is the cat?"},
+]
+
+
+def chat_ids(engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_reply_through_the_chat_template(api, engine):
+    response = api.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": SCRIPT}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    [request] = engine.submitted
+    # The template writes BOS; the server must not add a second one.
+    assert request.prompt_token_ids == chat_ids(engine, MESSAGES)
+    assert request.prompt_token_ids.count(engine.tokenizer.bos_token_id) == 1
+    # No max_tokens: up to the context limit.
+    assert request.sampling_params.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
+    prompt_tokens = len(request.prompt_token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(engine.script_ids),
+        "total_tokens": prompt_tokens + len(engine.script_ids),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_text_parts_are_joined(api, engine):
+    parts = [{"type": "text", "text": "where is"}, {"type": "text", "text": "the cat?"}]
+    messages = [{"role": "user", "content": parts}]
+    assert api.post("/v1/chat/completions", {"model": MODEL, "messages": messages}).is_success
+    expected = chat_ids(engine, [{"role": "user", "content": "where is\nthe cat?"}])
+    assert engine.submitted[0].prompt_token_ids == expected
+
+
+def test_max_completion_tokens_wins_over_max_tokens(api, engine):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3}
+    reply = api.post("/v1/chat/completions", body).json()
+    assert engine.submitted[0].sampling_params.max_tokens == 3
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 3
+
+
+def test_n_choices_with_seeds(api, engine):
+    body = {"model": MODEL, "messages": MESSAGES, "n": 3, "max_tokens": 2, "seed": 7}
+    reply = api.post("/v1/chat/completions", body).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert [r.request_id for r in engine.submitted] == [f"{reply['id']}-0-{i}" for i in range(3)]
+    assert [r.sampling_params.seed for r in engine.submitted] == [7, 8, 9]
+    assert reply["usage"]["prompt_tokens"] == len(engine.submitted[0].prompt_token_ids)
+    assert reply["usage"]["completion_tokens"] == 6
+
+
+def test_stream_role_first_then_content_then_finish_then_usage(api, engine):
+    engine.held_back_steps = {1}
+    response = api.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "n": 2,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    *chunks, usage_chunk, done = parse_sse(response)
+    assert done == "[DONE]"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all(c["usage"] is None for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["delta"] for c in mine[1:])
+        contents = [c["delta"].get("content") for c in mine[1:]]
+        assert all(contents), "no empty content deltas"
+        assert "".join(contents) == engine.tokenizer.decode(engine.script_ids[:4])
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+    # Both role chunks come before any content.
+    assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant"] * 2
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 8
+
+
+def test_finish_chunk_without_new_text_has_an_empty_delta(api, engine):
+    engine.held_back_steps = {0, 1, 2}  # the last output carries all the text ...
+    events = parse_sse(
+        api.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "stream": True},
+        )
+    )
+    deltas = [e["choices"][0] for e in events[:-1]]
+    assert len(deltas) == 2 and deltas[1]["finish_reason"] == "length"
+    assert deltas[1]["delta"] == {"content": engine.tokenizer.decode(engine.script_ids[:3])}
+
+
+def test_logprobs_in_the_chat_format(api, engine):
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    reply = api.post("/v1/chat/completions", body).json()
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert engine.submitted[0].sampling_params.logprobs == 3
+    for token_id, entry in zip(engine.script_ids[:2], content, strict=True):
+        token = engine.tokenizer.decode([token_id])
+        assert entry["token"] == token and entry["logprob"] == -0.5
+        assert entry["bytes"] == list(token.encode())
+        tops = entry["top_logprobs"]
+        assert [t["logprob"] for t in tops] == [-0.5, -2.0, -3.0]
+        assert tops[0]["token"] == token
+        assert all(t["bytes"] == list(t["token"].encode()) for t in tops)
+
+
+def test_logprobs_without_top_logprobs(api, engine):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "logprobs": True}
+    reply = api.post("/v1/chat/completions", body).json()
+    [entry] = reply["choices"][0]["logprobs"]["content"]
+    assert entry["top_logprobs"] == [] and entry["logprob"] == -0.5
+    assert engine.submitted[0].sampling_params.logprobs == 0
+
+
+def test_streamed_logprobs(api, engine):
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stream": True,
+    }
+    events = parse_sse(api.post("/v1/chat/completions", body))
+    role, *content_chunks, _ = events
+    assert role["choices"][0]["logprobs"] is None
+    tokens = [
+        entry["token"] for c in content_chunks for entry in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert tokens == [engine.tokenizer.decode([t]) for t in engine.script_ids[:2]]
+
+
+def test_plain_text_response_format_is_accepted(api):
+    body = {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "text"}}
+    assert api.post("/v1/chat/completions", body).status_code == 200

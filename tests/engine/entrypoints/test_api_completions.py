@@ -1,0 +1,220 @@
+"""POST /v1/completions as a client sees it: prompts of every shape, n, streaming, logprobs."""
+
+from __future__ import annotations
+
+from tests.engine.entrypoints.fake_engine import MAX_MODEL_LEN, MODEL, SCRIPT, parse_sse
+
+
+def script_prefix(engine, num_tokens: int) -> str:
+    return engine.tokenizer.decode(engine.script_ids[:num_tokens])
+
+
+def test_text_prompt_returns_text_finish_reason_and_usage(api, engine):
+    response = api.post("/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 5})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("cmpl-") and len(body["id"]) == len("cmpl-") + 32
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice == {
+        "index": 0,
+        "text": script_prefix(engine, 5),
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
+    prompt_tokens = len(engine.tokenizer.encode("the cat"))
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 5,
+        "total_tokens": prompt_tokens + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    [request] = engine.submitted
+    assert request.request_id == f"{body['id']}-0-0"
+    assert request.sampling_params.max_tokens == 5
+
+
+def test_default_max_tokens_is_16(api, engine):
+    body = api.post("/v1/completions", {"model": MODEL, "prompt": "a"}).json()
+    assert engine.submitted[0].sampling_params.max_tokens == 16
+    assert body["usage"]["completion_tokens"] == min(16, len(engine.script_ids))
+
+
+def test_an_engine_stop_is_finish_reason_stop(api, engine):
+    body = api.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 40}).json()
+    assert body["choices"][0]["text"] == SCRIPT
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_null_max_tokens_means_up_to_the_context_limit(api, engine):
+    api.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": None})
+    assert engine.submitted[0].sampling_params.max_tokens == MAX_MODEL_LEN - 3
+
+
+def test_batch_of_texts_and_token_ids_keeps_prompt_order(api, engine):
+    for prompt in (["the cat", "a dog sat"], [[5, 6, 7], [8, 9]]):
+        engine.submitted.clear()
+        body = api.post(
+            "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        ).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert [r.request_id for r in engine.submitted] == [f"{body['id']}-{i}-0" for i in (0, 1)]
+        lengths = [len(r.prompt_token_ids) for r in engine.submitted]
+        assert body["usage"]["prompt_tokens"] == sum(lengths)
+        assert body["usage"]["completion_tokens"] == 4
+    assert engine.submitted[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_single_token_id_prompt(api, engine):
+    body = api.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1})
+    assert body.json()["choices"][0]["text"] == script_prefix(engine, 1)
+    assert engine.submitted[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_n_fans_out_with_choice_index_prompt_times_n_and_seed_plus_choice(api, engine):
+    body = api.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["x", "y"], "n": 2, "max_tokens": 3, "seed": 40},
+    ).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    ids = [r.request_id for r in engine.submitted]
+    assert ids == [f"{body['id']}-{p}-{c}" for p in (0, 1) for c in (0, 1)]
+    assert [r.sampling_params.seed for r in engine.submitted] == [40, 41, 40, 41]
+    assert all(r.sampling_params.n == 1 for r in engine.submitted)
+    # Each prompt's tokens are counted once, however many choices it has.
+    assert body["usage"]["prompt_tokens"] == sum(
+        len(engine.tokenizer.encode(p)) for p in ("x", "y")
+    )
+    assert body["usage"]["completion_tokens"] == 12
+
+
+def test_sampling_fields_reach_the_engine(api, engine):
+    api.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "a",
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "stop": "mat",
+            "stop_token_ids": [7],
+            "min_tokens": 1,
+            "ignore_eos": True,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+            "cache_salt": "tenant-a",
+            "user": "someone",
+            "some_future_field": {"ignored": True},
+        },
+    )
+    [request] = engine.submitted
+    params = request.sampling_params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 5, 0.1)
+    assert params.stop == ["mat"] and params.stop_token_ids == [7]
+    assert params.min_tokens == 1 and params.ignore_eos
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.repetition_penalty == 1.2
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
+    assert request.cache_salt == "tenant-a"
+
+
+def test_cached_prompt_tokens_are_reported(api, engine):
+    engine.cached_tokens = 2
+    body = api.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1})
+    assert body.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_stream_frames_deltas_finish_and_done(api, engine):
+    response = api.post(
+        "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4, "stream": True}
+    )
+    assert response.status_code == 200
+    events = parse_sse(response)
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == script_prefix(engine, 4)
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+
+
+def test_stream_usage_comes_last_with_no_choices(api, engine):
+    events = parse_sse(
+        api.post(
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": [5, 6, 7],
+                "n": 2,
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    )
+    *chunks, usage_chunk, done = events
+    assert done == "[DONE]"
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert all(c["usage"] is None for c in chunks)
+
+
+def test_stream_skips_deltas_with_no_text(api, engine):
+    engine.held_back_steps = {1, 2}  # like a stop-string prefix the engine holds back
+    events = parse_sse(
+        api.post(
+            "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 5, "stream": True}
+        )
+    )
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert all(texts) and len(texts) == 3
+    assert "".join(texts) == script_prefix(engine, 5)
+
+
+def test_logprobs_in_the_legacy_format(api, engine):
+    body = api.post(
+        "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 3, "logprobs": 2}
+    ).json()
+    logprobs = body["choices"][0]["logprobs"]
+    tokens = [engine.tokenizer.decode([t]) for t in engine.script_ids[:3]]
+    assert logprobs["tokens"] == tokens
+    assert logprobs["token_logprobs"] == [-0.5] * 3
+    # The two most likely (the sampled token is the most likely here), by decoded text.
+    for token, top in zip(tokens, logprobs["top_logprobs"], strict=True):
+        assert len(top) == 2 and top[token] == -0.5
+        assert sorted(top.values()) == [-2.0, -0.5]
+    assert logprobs["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+    assert engine.submitted[0].sampling_params.logprobs == 2
+
+
+def test_logprobs_zero_still_reports_the_sampled_token(api, engine):
+    body = api.post(
+        "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, "logprobs": 0}
+    ).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [1, 1]
+
+
+def test_streamed_logprobs_continue_the_text_offsets(api, engine):
+    events = parse_sse(
+        api.post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "max_tokens": 3, "logprobs": 1, "stream": True},
+        )
+    )
+    offsets = [o for e in events[:-1] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [engine.tokenizer.decode([t]) for t in engine.script_ids[:3]]
+    assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
