@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
-.PHONY: test demo lint format bench-throughput clean
+.PHONY: test demo lint format bench-throughput bench-startup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,11 @@ test: $(STAMP)
 $(DEMO_MODEL)/config.json: $(STAMP)
 	$(BIN)/tidegate make-tiny-model $(DEMO_MODEL) --arch llama --size tiny
 
+# Serves the tiny model with `tidegate serve` (what the operator runs in a pod), sends one
+# chat request, and keeps serving until Ctrl-C. DEMO_PORT=... picks another port.
+DEMO_PORT ?= 8000
 demo: $(DEMO_MODEL)/config.json
-	$(BIN)/tidegate generate --model $(DEMO_MODEL) --dtype bfloat16 --max-tokens 24 \
-		--prompt "The tide comes in" --prompt "A cluster of machines" \
-		--prompt "Once upon a time, in a data center far away,"
+	$(BIN)/tidegate demo --model $(DEMO_MODEL) --port $(DEMO_PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -37,6 +38,9 @@ format: $(STAMP)
 
 bench-throughput: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py --out benchmarks/results/offline_throughput.json
+
+bench-startup: $(STAMP)
+	$(BIN)/python benchmarks/serve_startup.py --out benchmarks/results/serve_startup.json
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

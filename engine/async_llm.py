@@ -149,6 +149,7 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None and output is not None:
             stream.queue.put_nowait(output)
+            self._record_finished(stream, "abort")
         await self.client.abort_requests([request_id])
 
     async def shutdown(self) -> None:

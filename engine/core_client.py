@@ -6,8 +6,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import shutil
+import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -41,12 +44,19 @@ class EngineCoreClient:
         self.max_waiting_requests = max_waiting_requests
         self.identity = engine_index.to_bytes(2, "little")
         self._ctx = zmq.asyncio.Context()
-        self._dir = tempfile.mkdtemp(prefix="tidegate-")
+        if sys.platform == "linux":
+            # Abstract sockets: no file to clean up, whatever kills us.
+            self._dir = None
+            base = f"ipc://@tidegate-{os.getpid()}-{uuid.uuid4().hex[:12]}-"
+        else:
+            self._dir = tempfile.mkdtemp(prefix="tidegate-")
+            base = f"ipc://{self._dir}/"
+        self.input_address, self.output_address = base + "input", base + "output"
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._input.bind(f"ipc://{self._dir}/input")
+        self._input.bind(self.input_address)
         self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(f"ipc://{self._dir}/output")
+        self._output.bind(self.output_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -63,8 +73,8 @@ class EngineCoreClient:
             args=(
                 self.args,
                 self.engine_index,
-                f"ipc://{self._dir}/input",
-                f"ipc://{self._dir}/output",
+                self.input_address,
+                self.output_address,
                 self.max_waiting_requests,
             ),
             name=f"tidegate::engine_core_{self.engine_index}",
@@ -145,4 +155,5 @@ class EngineCoreClient:
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

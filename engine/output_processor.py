@@ -61,7 +61,7 @@ class OutputProcessor:
         completion = state.output.outputs[0]
         completion.finish_reason = completion.finish_reason or "abort"
         state.output.finished = True
-        return state.output
+        return self._delta(state, 0) if state.delta else state.output
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]

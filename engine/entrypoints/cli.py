@@ -104,6 +104,16 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(engine_args, server_args)
 
 
+def _demo(ns: argparse.Namespace) -> int:
+    from tidegate.engine.entrypoints.demo import run_demo
+
+    try:
+        return run_demo(ns.model, ns.port, ns.served_model_name)
+    except RuntimeError as error:
+        print(f"tidegate demo: {error}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, subcommands included."""
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
@@ -128,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_engine_args(serve, ServerArgs)
     serve.set_defaults(handler=_serve)
+
+    demo = sub.add_parser("demo", help="serve a model, ask it one question, keep serving")
+    demo.add_argument("--model", required=True)
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--served-model-name", default="tiny-llama")
+    demo.set_defaults(handler=_demo)
     return parser
 
 

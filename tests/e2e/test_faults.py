@@ -211,3 +211,30 @@ def test_full_queue_answers_429_then_sigterm_drains_and_exits_zero(tiny_llama_di
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.base_url}/health", timeout=2)
     server.stop()
+
+
+def test_api_server_death_takes_the_engine_processes_with_it(tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir, tmp_path)
+    children = list(server.children().values())
+    assert len(children) == 2
+    server.process.send_signal(signal.SIGKILL)
+    server.wait_exit(timeout=10)
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"orphaned engine processes: {alive}"
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "/nonexistent/model"], "has no config.json"),
+        (["--num-gpu-blocks", "2"], "fewer than max_model_len"),
+        (["--max-model-len", "1000000"], "exceeds this model's limit"),
+    ],
+    ids=["missing folder", "kv cache too small", "context beyond the model"],
+)
+def test_a_server_that_cannot_start_exits_1_and_says_why(tiny_llama_dir, tmp_path, flags, message):
+    server = ServerProcess(tiny_llama_dir, tmp_path, *flags)
+    assert server.wait_exit(timeout=60) == 1
+    assert message in server.log()
+    server.stop()
