@@ -47,6 +47,11 @@ class EngineArgs(BaseModel):
         "short prompts overtake a long one.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
+    scheduling_policy: Literal["unified", "phased"] = Field(
+        "unified",
+        description="unified: prefill chunks and decodes share every step. phased: a step is "
+        "either whole-prompt prefills or decodes, as older engines did (a baseline for benchmarks).",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention kernels: triton on CUDA, torch on CPU when auto."
     )
@@ -55,8 +60,21 @@ class EngineArgs(BaseModel):
         None, ge=1, description="torch threads on CPU; defaults to all cores."
     )
 
+    def step_token_capacity(self, max_model_len: int) -> int:
+        """Most tokens one step may compute: the budget, or a whole prompt when phased."""
+        if self.scheduling_policy == "phased":
+            return max(self.max_num_batched_tokens, max_model_len)
+        return self.max_num_batched_tokens
+
     @model_validator(mode="after")
     def _check_limits(self) -> EngineArgs:
+        if self.scheduling_policy == "phased" and (
+            self.long_prefill_token_threshold or self.max_num_partial_prefills > 1
+        ):
+            raise ValueError(
+                "scheduling_policy 'phased' computes whole prompts: it takes no "
+                "long_prefill_token_threshold and no max_num_partial_prefills above 1"
+            )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
                 f"max_long_partial_prefills ({self.max_long_partial_prefills}) must not exceed "

@@ -36,12 +36,13 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         # Several concurrent partial prefills only make sense with a per-request cap.
         threshold = max(1, int(max_model_len * 0.04))
     return StepLimits(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.step_token_capacity(max_model_len),
         max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills,
         max_model_len=max_model_len,
+        phased=args.scheduling_policy == "phased",
     )
 
 

@@ -79,6 +79,25 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
 
+        if self.limits.phased and self.waiting:
+            # Phased baseline: admit whole prompts and run nothing else this step.
+            self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
+            if scheduled:
+                return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
+        self._schedule_running(budget, scheduled, cached_reqs, preempted)
+        # vLLM's rule: a step that had to preempt admits nobody new.
+        if not preempted and not self.limits.phased:
+            self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
+        return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
+
+    def _schedule_running(
+        self,
+        budget: StepBudget,
+        scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+        preempted: set[str],
+    ) -> None:
+        """Give running requests their tokens, oldest first, preempting the newest if needed."""
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
@@ -114,10 +133,14 @@ class Scheduler:
             if budget.is_partial(request, computed):
                 budget.count_partial(request)
 
-        # vLLM's rule: a step that had to preempt admits nobody new.
-        if not preempted:
-            self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
-
+    def _finish_step(
+        self,
+        scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+        preempted: set[str],
+    ) -> SchedulerOutput:
+        """Package the plan and advance every scheduled request's computed-token count."""
         total = sum(scheduled.values())
         assert total <= self.limits.max_num_batched_tokens
         output = SchedulerOutput(
@@ -157,6 +180,8 @@ class Scheduler:
             if num_new == 0:
                 break
             partial = budget.is_partial(request, num_cached + num_new)
+            if partial and self.limits.phased:
+                break  # phased steps never split a prompt; it waits for a step of its own
             if partial and not budget.admits_partial(request):
                 skipped.append(self.waiting.popleft())
                 continue

@@ -17,6 +17,8 @@ class StepLimits:
     max_num_partial_prefills: int
     max_long_partial_prefills: int
     max_model_len: int
+    # A step is whole-prompt prefills only, or decodes only (the pre-V1 baseline).
+    phased: bool = False
 
 
 class StepBudget:

