@@ -34,8 +34,10 @@ class EngineArgs(BaseModel):
         2048, ge=1, description="Token budget of one step: prefill chunks plus decodes."
     )
     max_num_seqs: int = Field(256, ge=1, description="Most requests in one step.")
-    long_prefill_token_threshold: int = Field(
-        0, ge=0, description="Most tokens one request may take in a step; 0 means no cap."
+    long_prefill_token_threshold: int | Literal["auto"] = Field(
+        0,
+        description="Most tokens one request may compute in a step; 0 means no cap; auto sizes "
+        "chunks online so that a step with decodes takes at most 1.5x a decode-only step.",
     )
     max_num_partial_prefills: int = Field(
         1, ge=1, description="Prompts that may be part-way through prefill at once."
@@ -69,7 +71,7 @@ class EngineArgs(BaseModel):
     @model_validator(mode="after")
     def _check_limits(self) -> EngineArgs:
         if self.scheduling_policy == "phased" and (
-            self.long_prefill_token_threshold or self.max_num_partial_prefills > 1
+            self.long_prefill_token_threshold != 0 or self.max_num_partial_prefills > 1
         ):
             raise ValueError(
                 "scheduling_policy 'phased' computes whole prompts: it takes no "

@@ -63,6 +63,12 @@ def main() -> None:
         default=False,
         help="skip torch.compile (vLLM's CPU default compiles with inductor; slower start)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="let repeats reuse the prompts' cached KV (off: every repeat prefills in full, "
+        "as offline_throughput.py's engines do)",
+    )
     args = parser.parse_args()
     model, out = args.model.resolve(), args.out.resolve()
     # vLLM starts helpers with `python -m`, which puts the working directory first on sys.path;
@@ -78,6 +84,7 @@ def main() -> None:
         # Just what the workload needs: a smaller context leaves vLLM's KV cache no less room.
         max_model_len=longest,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=0,
     )
     load_s = time.perf_counter() - start
@@ -106,7 +113,11 @@ def main() -> None:
             "greedy": True,
             "repeats": args.repeats,
         },
-        "flags": {"max_model_len": longest, "enforce_eager": args.enforce_eager},
+        "flags": {
+            "max_model_len": longest,
+            "enforce_eager": args.enforce_eager,
+            "enable_prefix_caching": args.enable_prefix_caching,
+        },
         "env": {name: os.environ.get(name) for name in ENV_RECORDED},
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "load_seconds": load_s,

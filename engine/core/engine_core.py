@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
@@ -31,8 +32,9 @@ def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:
 
 def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
     """Scheduler limits from the engine args, with vLLM's default chunk threshold."""
-    threshold = args.long_prefill_token_threshold
-    if threshold == 0 and args.max_num_partial_prefills > 1:
+    adaptive = args.long_prefill_token_threshold == "auto"
+    threshold = 0 if adaptive else int(args.long_prefill_token_threshold)
+    if threshold == 0 and not adaptive and args.max_num_partial_prefills > 1:
         # Several concurrent partial prefills only make sense with a per-request cap.
         threshold = max(1, int(max_model_len * 0.04))
     return StepLimits(
@@ -43,6 +45,7 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         max_long_partial_prefills=args.max_long_partial_prefills,
         max_model_len=max_model_len,
         phased=args.scheduling_policy == "phased",
+        adaptive_chunking=adaptive,
     )
 
 
@@ -106,7 +109,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
         self.last_scheduler_output = scheduler_output
+        started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.scheduler.record_step_time(time.perf_counter() - started)
         if scheduler_output.is_empty:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Nothing runs and nothing can start: looping again would hang the caller.

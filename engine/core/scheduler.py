@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from tidegate.engine.core.chunk_tuner import ChunkSizeTuner
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.messages import (
     CachedRequestData,
@@ -37,6 +38,11 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         # Requests the runner has state for (new ones are sent whole, once).
         self._known_to_runner: set[str] = set()
+        self.chunk_tuner: ChunkSizeTuner | None = None
+        if limits.adaptive_chunking:
+            self.chunk_tuner = ChunkSizeTuner(self.block_size, limits.max_num_batched_tokens)
+        # (decodes, prompt tokens) of the last planned step, for the chunk tuner.
+        self._last_mix = (0, 0)
         self.num_preemptions = 0
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
@@ -73,7 +79,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones, within the budget."""
-        budget = StepBudget(self.limits)
+        threshold = None
+        if self.chunk_tuner is not None:
+            threshold = self.chunk_tuner.threshold(sum(map(_is_decoding, self.running)))
+        budget = StepBudget(self.limits, threshold)
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -89,6 +98,11 @@ class Scheduler:
         if not preempted and not self.limits.phased:
             self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
         return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
+
+    def record_step_time(self, seconds: float) -> None:
+        """How long the last planned step took to execute (teaches the chunk tuner)."""
+        if self.chunk_tuner is not None:
+            self.chunk_tuner.observe(*self._last_mix, seconds)
 
     def _schedule_running(
         self,
@@ -152,6 +166,12 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self._finished_req_ids = set()
+        num_decodes = sum(
+            1
+            for req_id, num in scheduled.items()
+            if num == 1 and _is_decoding(self.requests[req_id])
+        )
+        self._last_mix = (num_decodes, total - num_decodes)
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
             request = self.requests[req_id]
@@ -317,3 +337,8 @@ class Scheduler:
             self._known_to_runner.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+
+def _is_decoding(request: Request) -> bool:
+    """True for a request past its prompt that needs one token computed (a decode)."""
+    return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1

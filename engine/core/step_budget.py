@@ -19,6 +19,8 @@ class StepLimits:
     max_model_len: int
     # A step is whole-prompt prefills only, or decodes only (the pre-V1 baseline).
     phased: bool = False
+    # The per-request cap is learned online (ChunkSizeTuner) instead of fixed.
+    adaptive_chunking: bool = False
 
 
 class StepBudget:
@@ -29,23 +31,23 @@ class StepBudget:
     lets short prompts that finish in one step overtake a long prompt's chunks.
     """
 
-    def __init__(self, limits: StepLimits) -> None:
+    def __init__(self, limits: StepLimits, threshold: int | None = None) -> None:
         self.limits = limits
+        # This step's per-request cap: the fixed one, or what the chunk tuner says now.
+        self.threshold = limits.long_prefill_token_threshold if threshold is None else threshold
         self.tokens_left = limits.max_num_batched_tokens
         self.num_partial = 0
         self.num_long_partial = 0
 
     def is_long(self, request: Request) -> bool:
         """True for prompts the threshold would split into several chunks."""
-        threshold = self.limits.long_prefill_token_threshold
-        return threshold > 0 and request.num_prompt_tokens > threshold
+        return self.threshold > 0 and request.num_prompt_tokens > self.threshold
 
     def tokens_for(self, request: Request, num_computed_tokens: int) -> int:
         """How many tokens this request may compute now (0 when the budget is spent)."""
         num_new = request.num_tokens - num_computed_tokens
-        threshold = self.limits.long_prefill_token_threshold
-        if threshold > 0:
-            num_new = min(num_new, threshold)
+        if self.threshold > 0:
+            num_new = min(num_new, self.threshold)
         # Never compute past the model's context: a request at the limit is finished first.
         num_new = min(num_new, self.limits.max_model_len - num_computed_tokens)
         return max(0, min(num_new, self.tokens_left))

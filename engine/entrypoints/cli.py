@@ -49,6 +49,13 @@ def _strip_none(annotation: Any) -> Any:
 
 def _argparse_type(annotation: Any) -> tuple[list[Any] | None, Any]:
     """(choices, converter) for a field annotation such as int | None or Literal[...]."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        words = [a for a in inner if typing.get_origin(a) is typing.Literal]
+        if words and len(inner) == 2:  # e.g. int | Literal["auto"]: a number or the word
+            keywords = set(typing.get_args(words[0]))
+            other = next(a for a in inner if a is not words[0])
+            return None, lambda text: text if text in keywords else other(text)
     annotation = _strip_none(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         choices = list(typing.get_args(annotation))

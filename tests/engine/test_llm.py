@@ -230,3 +230,18 @@ def test_phased_scheduling_gives_the_same_greedy_tokens(tiny_llama_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(ValueError, match="phased"):
         LLM(model=str(tiny_llama_dir), scheduling_policy="phased", long_prefill_token_threshold=8)
+
+
+def test_auto_chunking_gives_the_same_greedy_tokens(tiny_llama_dir):
+    prompts = [tokens(40 + i, 300 + 50 * i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks=256)
+    auto = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_gpu_blocks=256,
+        long_prefill_token_threshold="auto",
+    )
+    for a, b in zip(plain.generate(prompts, params), auto.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert auto.engine.scheduler.chunk_tuner is not None
