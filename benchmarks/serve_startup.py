@@ -12,61 +12,38 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
-TIDEGATE = str(Path(sys.executable).parent / "tidegate")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status
-    except (urllib.error.URLError, ConnectionError):
-        return 0
+from tidegate.engine.bench.local_server import LocalServer
 
 
 def one_run(model_dir: Path, size: str) -> dict:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    command = [TIDEGATE, "serve", "--model", str(model_dir), "--port", str(port)]
-    command += ["--host", "127.0.0.1", "--served-model-name", "m", "--log-level", "warning"]
-    started = time.monotonic()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Launch, wait for /health, send one completion, stop; the seconds of each phase."""
+    flags = ("--served-model-name", "m", "--log-level", "warning")
+    server = LocalServer.tidegate_serve(model_dir, *flags, log=subprocess.DEVNULL)
     try:
-        while _get(f"{base}/health") != 200:
-            if server.poll() is not None or time.monotonic() - started > 300:
-                raise RuntimeError(f"server did not become healthy (exit {server.poll()})")
-            time.sleep(0.02)
-        healthy = time.monotonic() - started
+        healthy = server.wait_healthy().startup_seconds
         body = json.dumps({"model": "m", "prompt": "The tide", "max_tokens": 1}).encode()
         request = urllib.request.Request(
-            f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            f"{server.base_url}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=60) as response:
             json.load(response)
-        first = time.monotonic() - started
+        first = time.monotonic() - server.started_at
     finally:
-        server.send_signal(signal.SIGTERM)
         stop_started = time.monotonic()
-        code = server.wait(timeout=60)
+        code = server.stop()
     return {
         "size": size,
-        "seconds_to_healthy": round(healthy, 3),
+        "seconds_to_healthy": round(healthy or 0.0, 3),
         "seconds_to_first_completion": round(first, 3),
         "seconds_to_stop": round(time.monotonic() - stop_started, 3),
         "exit_code": code,

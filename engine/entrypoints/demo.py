@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
-from pathlib import Path
+
+from tidegate.engine.bench.local_server import LocalServer, serve_command
 
 _STARTUP_DEADLINE_S = 120.0
-
-
-def _tidegate_command() -> list[str]:
-    script = Path(sys.executable).parent / "tidegate"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("tidegate")
-    return [found] if found else [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
-
-
-def _wait_healthy(server: subprocess.Popen, base_url: str) -> float:
-    """Seconds until /health answers 200; raises if the server exits or the deadline passes."""
-    started = time.monotonic()
-    while time.monotonic() - started < _STARTUP_DEADLINE_S:
-        if server.poll() is not None:
-            raise RuntimeError(f"tidegate serve exited with code {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as response:
-                if response.status == 200:
-                    return time.monotonic() - started
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"tidegate serve was not healthy within {_STARTUP_DEADLINE_S:.0f} s")
 
 
 def _chat(base_url: str, model: str, question: str) -> dict:
@@ -56,13 +28,13 @@ def _chat(base_url: str, model: str, question: str) -> dict:
 
 def run_demo(model: str, port: int, name: str) -> int:
     """Serve `model` on 127.0.0.1:`port` until Ctrl-C; returns the server's exit code."""
-    base_url = f"http://127.0.0.1:{port}"
-    command = [*_tidegate_command(), "serve", "--model", model, "--served-model-name", name]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    print("$", " ".join(command), flush=True)
-    server = subprocess.Popen(command)
+    flags = ("--served-model-name", name)
+    # Same session as us: Ctrl-C in the terminal reaches the server too, which drains and exits.
+    server = LocalServer(serve_command(model, *flags, port=port), port, own_session=False)
+    base_url = server.base_url
+    print("$", " ".join(server.command), flush=True)
     try:
-        seconds = _wait_healthy(server, base_url)
+        seconds = server.wait_healthy(_STARTUP_DEADLINE_S).startup_seconds or 0.0
         question = "What does a tidegate do?"
         answer = _chat(base_url, name, question)
         message = answer["choices"][0]["message"]["content"]
@@ -79,11 +51,10 @@ def run_demo(model: str, port: int, name: str) -> int:
             "Press Ctrl-C to stop.\n",
             flush=True,
         )
-        return server.wait()
+        return server.process.wait()
     except KeyboardInterrupt:
         # Ctrl-C reached the server too (same process group); it drains and exits.
-        return server.wait()
+        return server.process.wait()
     except BaseException:
-        server.terminate()
-        server.wait()
+        server.stop()
         raise

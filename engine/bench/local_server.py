@@ -1,0 +1,117 @@
+"""A server process on 127.0.0.1 for demos, benchmarks and tests: start, wait healthy, stop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tidegate_command() -> list[str]:
+    """How to run `tidegate` from this interpreter's environment."""
+    script = Path(sys.executable).parent / "tidegate"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("tidegate")
+    return [found] if found else [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
+
+
+def serve_command(model: str | Path, *flags: str, port: int) -> list[str]:
+    """`tidegate serve --model MODEL --host 127.0.0.1 --port PORT FLAGS...`."""
+    command = [*tidegate_command(), "serve", "--model", str(model), "--host", "127.0.0.1"]
+    return [*command, "--port", str(port), *flags]
+
+
+class LocalServer:
+    """One server process (its own session, so a stray signal cannot reach the caller)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        port: int,
+        log: IO | Path | None = None,
+        env: dict[str, str] | None = None,
+        own_session: bool = True,
+    ) -> None:
+        self.command = command
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log_file = log.open("w") if isinstance(log, Path) else None
+        self.log_path = log if isinstance(log, Path) else None
+        output = self._log_file or log
+        self.started_at = time.monotonic()
+        self.process = subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=own_session,
+        )
+        self.startup_seconds: float | None = None
+
+    @classmethod
+    def tidegate_serve(
+        cls, model: str | Path, *flags: str, log: IO | Path | None = None, port: int | None = None
+    ) -> LocalServer:
+        """A `tidegate serve` of `model` with these flags (on a free port unless given)."""
+        port = port or free_port()
+        return cls(serve_command(model, *flags, port=port), port, log=log)
+
+    def log(self) -> str:
+        """What the server printed so far (when it logs to a file)."""
+        if self._log_file is None or self.log_path is None:
+            return ""
+        self._log_file.flush()
+        return self.log_path.read_text()
+
+    def wait_healthy(self, deadline_s: float = 300.0, path: str = "/health") -> LocalServer:
+        """Poll until `path` answers 200; raise with the log if it exits or the deadline passes."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.command[0]} exited with code {self.process.returncode}\n{self.log()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + path, timeout=1) as response:
+                    if response.status == 200:
+                        self.startup_seconds = time.monotonic() - self.started_at
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)  # polling with a deadline
+        raise RuntimeError(f"not healthy within {deadline_s:.0f} s\n{self.log()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (the server drains), then SIGKILL of its whole session if it lingers."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+        return self.process.returncode
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
