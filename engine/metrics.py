@@ -57,6 +57,9 @@ METRICS = (
     MetricSpec("prefix_cache_queries", Counter, "Prefix cache queries, in queried tokens."),
     MetricSpec("prefix_cache_hits", Counter, "Prefix cache hits, in cached tokens."),
     MetricSpec("num_preemptions", Counter, "Cumulative number of preemptions."),
+    # Not in vLLM: prompt tokens whose KV was computed, not read from the prefix cache
+    # (recomputation after preemption included). What prefix caching saves, directly.
+    MetricSpec("prompt_tokens_computed", Counter, "Prompt tokens computed by the model."),
     MetricSpec("prompt_tokens", Counter, "Number of prefill tokens processed."),
     MetricSpec("generation_tokens", Counter, "Number of generation tokens processed."),
     MetricSpec(
@@ -96,7 +99,12 @@ METRICS = (
 )
 
 # SchedulerStats totals that feed counters of the same name.
-_STATS_TOTALS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+_STATS_TOTALS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "prompt_tokens_computed",
+)
 
 
 class PrometheusMetrics:

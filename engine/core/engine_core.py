@@ -138,6 +138,7 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_computed=self.scheduler.num_computed_prompt_tokens,
             num_batched_tokens=num_batched_tokens,
         )
 

@@ -116,6 +116,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    prompt_tokens_computed: int = 0
     # Tokens computed by the step these stats follow (0 when no step ran).
     num_batched_tokens: int = 0
 

@@ -1,0 +1,92 @@
+"""What the benchmark scenarios share: model folders, metrics scraping, the results README."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "benchmarks" / "README.md"
+
+
+def model_dir(size: str, root: Path | None = None) -> Path:
+    """A tiny-model folder of this size (`tidegate make-tiny-model`), made once."""
+    from tidegate.engine.tiny_model import make_tiny_model
+
+    folder = (root or ROOT / ".cache" / "models") / f"{size}-llama"
+    if not (folder / "config.json").is_file():
+        make_tiny_model(folder, arch="llama", size=size)
+    return folder
+
+
+def machine() -> dict:
+    """Where a result was measured."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Unlabelled view of /metrics: sample name -> value (the last series of a name wins)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+class PeakSampler:
+    """Polls one metric of a server in the background and keeps its peak."""
+
+    def __init__(self, base_url: str, name: str, interval_s: float = 0.05) -> None:
+        self.base_url, self.name, self.interval_s = base_url, name, interval_s
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, scrape(self.base_url).get(self.name, 0.0))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_result(name: str, record: dict, out_dir: Path) -> Path:
+    """benchmarks/results/NAME.json (or under out_dir)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    record = {"benchmark": name, "measured_at": time.strftime("%Y-%m-%d %H:%M"), **record}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def update_readme(readme: Path, section: str, markdown: str) -> None:
+    """Replace the text between `<!-- SECTION -->` and `<!-- /SECTION -->` (append if absent)."""
+    start, end = f"<!-- {section} -->", f"<!-- /{section} -->"
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text}\n{block}\n"
+    readme.write_text(text)
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""prefill-stall: do long prompts freeze everyone else's tokens?
+
+16 steady streams decode on the `small` model; after a baseline period, 2k-4k-token prompts
+arrive. Three servers, one after the other in the same run: unified scheduling with auto
+chunking, unified without a per-request threshold (a prompt takes the whole step budget),
+and the phased baseline (whole prompts in steps of their own). Reported: p99 inter-token
+latency of the steady streams while the long prompts prefill, against their own baseline.
+
+    python benchmarks/prefill_stall.py            # writes results/prefill_stall.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+from common import README, RESULTS, machine, model_dir, table, update_readme, write_result
+
+from tidegate.engine.bench.local_server import LocalServer
+from tidegate.engine.bench.plot import plot_run
+from tidegate.engine.bench.serve import run_bench
+from tidegate.engine.bench.workloads import long_prompt_arrival_workload
+
+CONFIGS = {
+    "unified, auto chunks": ["--long-prefill-token-threshold", "auto"],
+    "unified, no threshold": [],
+    "phased": ["--scheduling-policy", "phased"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args()
+    if args.smoke:
+        size, streams, steady_out, long_len, arrivals = "tiny", 4, 500, (1000, 1500), [0.5, 0.8]
+    else:
+        size, streams, steady_out, long_len, arrivals = "small", 16, 700, (2048, 3800), [6.0, 10.0]
+    model = model_dir(size)
+    workload = long_prompt_arrival_workload(
+        num_steady=streams,
+        steady_input_len=64,
+        steady_output_len=steady_out,
+        long_input_len=long_len,
+        long_arrivals=arrivals,
+        long_output_len=8,
+        seed=0,
+    )
+    results, runs = {}, {}
+    for label, flags in CONFIGS.items():
+        server = LocalServer.tidegate_serve(
+            model,
+            "--served-model-name",
+            "m",
+            "--dtype",
+            "bfloat16",
+            *flags,
+            log=subprocess.DEVNULL,
+        )
+        with server:
+            server.wait_healthy()
+            result, records = run_bench(server.base_url, "m", workload, progress=False)
+        results[label] = {"flags": flags, **result}
+        runs[label] = records
+        print(f"{label:24s} {_p99s(result['arrival'])}", flush=True)
+    targets = _targets(results)
+    record = {
+        "command": "python benchmarks/prefill_stall.py" + (" --smoke" if args.smoke else ""),
+        "machine": machine(),
+        "model": size,
+        "workload": {
+            "steady_streams": streams,
+            "steady_output_len": steady_out,
+            "long_input_len": long_len,
+            "long_arrivals_s": arrivals,
+        },
+        "targets": targets,
+        "results": results,
+    }
+    write_result("prefill_stall", record, args.out_dir)
+    plot_run(
+        runs, workload.events, f"prefill-stall, {size} model", args.out_dir / "prefill_stall.png"
+    )
+    rows = [
+        [label, *_p99_cells(result["arrival"]), _get(result, "groups", "long", "ttft_ms", "mean")]
+        for label, result in results.items()
+    ]
+    update_readme(
+        args.readme,
+        "prefill-stall",
+        f"### prefill-stall ({size} model, {streams} steady streams, "
+        f"{long_len[0]}-{long_len[1]}-token prompts at {arrivals} s)\n\n"
+        + table(
+            [
+                "scheduling",
+                "steady p99 ITL before (ms)",
+                "during arrivals (ms)",
+                "ratio",
+                "long-prompt TTFT mean (ms)",
+            ],
+            rows,
+        )
+        + "\n\n"
+        + "\n".join(f"- {name}: **{value}**" for name, value in targets.items())
+        + "\n\n![prefill-stall](results/prefill_stall.png)",
+    )
+
+
+def _get(tree: dict, *keys: str) -> object:
+    """tree[k1][k2]... or None where a level is missing (a run too short to measure)."""
+    for key in keys:
+        if not isinstance(tree, dict) or tree.get(key) is None:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _p99_cells(arrival: dict) -> list[object]:
+    return [
+        _get(arrival, "steady_itl_before_ms", "p99"),
+        _get(arrival, "steady_itl_during_ms", "p99"),
+        _get(arrival, "p99_ratio_during_vs_before"),
+    ]
+
+
+def _p99s(arrival: dict) -> str:
+    before, during, ratio = _p99_cells(arrival)
+    return f"steady ITL p99 before {before} ms, during {during} ms, ratio {ratio}"
+
+
+def _targets(results: dict) -> dict[str, object]:
+    """The issue's targets: auto within 1.5x its baseline, 3x better than the other two."""
+    auto = _get(results, "unified, auto chunks", "arrival", "steady_itl_during_ms", "p99")
+
+    def versus(label: str) -> object:
+        other = _get(results, label, "arrival", "steady_itl_during_ms", "p99")
+        return round(other / auto, 2) if auto and other else None
+
+    return {
+        "auto: p99 during / before (target <= 1.5)": _get(
+            results, "unified, auto chunks", "arrival", "p99_ratio_during_vs_before"
+        ),
+        "no threshold p99 / auto p99 (target >= 3)": versus("unified, no threshold"),
+        "phased p99 / auto p99 (target >= 3)": versus("phased"),
+    }
+
+
+if __name__ == "__main__":
+    main()

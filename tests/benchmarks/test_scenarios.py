@@ -1,0 +1,47 @@
+"""Each benchmark scenario runs end to end in smoke mode (tiny model, seconds) and reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_scenario(script: str, tmp_path: Path) -> tuple[dict, str]:
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nhand-written text stays\n")
+    command = [sys.executable, str(BENCHMARKS / script), "--smoke", "--out-dir", str(tmp_path)]
+    subprocess.run([*command, "--readme", str(readme)], check=True, timeout=300)
+    result = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+    assert (tmp_path / script.replace(".py", ".png")).stat().st_size > 10_000
+    text = readme.read_text()
+    assert "hand-written text stays" in text
+    return result, text
+
+
+@pytest.mark.slow
+def test_prefill_stall_compares_three_schedulers(tmp_path):
+    result, readme = run_scenario("prefill_stall.py", tmp_path)
+    assert set(result["results"]) == {"unified, auto chunks", "unified, no threshold", "phased"}
+    for run in result["results"].values():
+        assert run["failed"] == 0
+        assert run["arrival"]["steady_itl_during_ms"]["count"] > 0
+    assert len(result["targets"]) == 3
+    assert "<!-- prefill-stall -->" in readme and "| phased |" in readme
+
+
+@pytest.mark.slow
+def test_shared_prefix_compares_caching_on_and_off(tmp_path):
+    result, readme = run_scenario("shared_prefix.py", tmp_path)
+    on, off = result["results"]["prefix caching on"], result["results"]["prefix caching off"]
+    assert on["failed"] == off["failed"] == 0
+    # The shared prompt is computed once with caching, once per session without.
+    assert on["prompt_tokens_computed"] * 4 < off["prompt_tokens_computed"]
+    assert on["prompt_tokens"] == off["prompt_tokens"]
+    assert 0 < on["peak_kv_blocks"] < off["peak_kv_blocks"]
+    assert "<!-- shared-prefix -->" in readme
