@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
-.PHONY: test demo lint format bench-throughput bench-startup clean
+.PHONY: test demo lint format bench bench-throughput bench-startup bench-prefill-stall \
+	bench-shared-prefix bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,23 @@ bench-throughput: $(STAMP)
 
 bench-startup: $(STAMP)
 	$(BIN)/python benchmarks/serve_startup.py --out benchmarks/results/serve_startup.json
+
+bench-prefill-stall: $(STAMP)
+	$(BIN)/python benchmarks/prefill_stall.py
+
+bench-shared-prefix: $(STAMP)
+	$(BIN)/python benchmarks/shared_prefix.py
+
+# Every scenario that needs no peer engine; each writes benchmarks/results/ and the README table.
+bench: bench-prefill-stall bench-shared-prefix bench-throughput bench-startup
+
+# Peer engines for comparison, each in its own venv under .cache/peers (vLLM's CPU build first),
+# then the scenarios that compare against them.
+bench-peers: $(STAMP)
+	bash benchmarks/peers/setup_vllm.sh
+	$(BIN)/python benchmarks/offline_throughput.py --with-vllm \
+		--out benchmarks/results/offline_throughput.json
+	$(BIN)/python benchmarks/serving_vs_vllm.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

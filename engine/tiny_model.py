@@ -39,8 +39,9 @@ CHAT_TEMPLATE = (
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 192,
+        # head_dim 32: the smallest vLLM's CPU attention accepts, so peers run the same folder.
+        "hidden_size": 128,
+        "intermediate_size": 384,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,

@@ -4,7 +4,7 @@ Runs inside the venv of benchmarks/peers/setup_vllm.sh (never imports tidegate),
 environment it writes:
 
     source .cache/peers/vllm-env.sh
-    $VLLM_PEER_PYTHON benchmarks/peers/vllm_offline.py --model DIR \
+    $PEER_VLLM_PYTHON benchmarks/peers/vllm_offline.py --model DIR \
         --prompts-json prompts.json --output-len 64 --out vllm.json
 
 Greedy, EOS ignored, so every prompt yields exactly --output-len tokens, as in
@@ -33,7 +33,7 @@ ENV_RECORDED = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELO
 
 
 def load_prompts(path: Path) -> list[list[int]]:
-    """A JSON list of token-id lists, as benchmarks/peers/make_prompts.py writes."""
+    """A JSON list of token-id lists, as benchmarks/offline_throughput.py writes for it."""
     prompts = json.loads(path.read_text())
     if not prompts or not all(isinstance(p, list) and p for p in prompts):
         raise SystemExit(f"{path}: expected a JSON list of non-empty token-id lists")
@@ -81,7 +81,7 @@ def main() -> None:
     llm = LLM(
         model=str(model),
         dtype=args.dtype,
-        # Just what the workload needs: a smaller context leaves vLLM's KV cache no less room.
+        # Just what the workload needs; the model's config would allow 4,096.
         max_model_len=longest,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,

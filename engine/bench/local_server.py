@@ -47,6 +47,7 @@ class LocalServer:
         log: IO | Path | None = None,
         env: dict[str, str] | None = None,
         own_session: bool = True,
+        cwd: Path | None = None,
     ) -> None:
         self.command = command
         self.port = port
@@ -61,6 +62,7 @@ class LocalServer:
             stderr=subprocess.STDOUT if output is not None else None,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=own_session,
+            cwd=cwd,
         )
         self.startup_seconds: float | None = None
 

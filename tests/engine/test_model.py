@@ -265,7 +265,7 @@ def test_config_reads_both_architectures(tiny_llama_dir, tiny_qwen2_dir):
     qwen2 = ModelConfig.from_pretrained(tiny_qwen2_dir)
     assert (llama.qkv_bias, llama.tie_word_embeddings) == (False, False)
     assert (qwen2.qkv_bias, qwen2.o_proj_bias, qwen2.tie_word_embeddings) == (True, False, True)
-    assert llama.head_dim == 16 and llama.num_key_value_heads == 2
+    assert llama.head_dim == 32 and llama.num_key_value_heads == 2
     assert llama.eos_token_ids == [2] and llama.torch_dtype == "float32"
     assert resolve_dtype("auto", llama) == torch.float32
     assert resolve_dtype("bfloat16", llama) == torch.bfloat16
