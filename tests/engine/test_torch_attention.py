@@ -112,6 +112,23 @@ def test_attend_matches_dense_reference(group, block_size, dtype):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+def test_decodes_of_very_different_lengths_are_padded_per_group_and_stay_exact():
+    from tidegate.engine.attention.torch_attention import _length_groups
+
+    rng = random.Random(7)
+    chunks = [(3, 1), (400, 1), (10, 1), (150, 1), (380, 1)]
+    meta, tables = paged_batch(chunks, 16, rng)
+    groups = _length_groups(torch.arange(5), meta.seq_lens_cpu.long())
+    # Short ones together, long ones together: nobody pads a 4-token sequence to 401.
+    assert [g.tolist() for g in groups] == [[0, 2], [3], [4, 1]]
+    cache_shape = (NUM_BLOCKS, 16, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * 2, HEAD_DIM)
+    out = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    expected = reference_attention(query, k_cache, v_cache, chunks, tables, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_padding_rows_after_the_batch_are_ignored():
     rng = random.Random(3)
     chunks = [(5, 1), (0, 9), (20, 1)]
