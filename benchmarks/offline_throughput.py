@@ -190,7 +190,30 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
+        plot_results(results, args.out.with_suffix(".png"))
         _update_readme(args, results)
+
+
+def plot_results(results: list[dict], path: Path) -> None:
+    """Output tokens/s per model and engine, relative to Tidegate (bars) with the values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = [("tidegate", "Tidegate"), ("transformers", "transformers"), ("vllm_cpu", "vLLM-CPU")]
+    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.2), squeeze=False)
+    for ax, row in zip(axes[0], results, strict=True):
+        names = [label for key, label in engines if key in row]
+        values = [row[key]["output_tokens_per_s"] for key, _ in engines if key in row]
+        bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(names)])
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_title(f"{row['size']} model", fontsize=9)
+        ax.set_ylabel("output tokens/s")
+    fig.suptitle("offline throughput (greedy, same token ids)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
@@ -228,7 +251,8 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
             ],
             rows,
         )
-        + "\n\nTargets: at least 2x transformers and at least equal to vLLM-CPU.",
+        + "\n\nTargets: at least 2x transformers and at least equal to vLLM-CPU."
+        + "\n\n![offline throughput](results/offline_throughput.png)",
     )
 
 

@@ -40,7 +40,7 @@ def plot_run(
     ttft_ax = axes[-1, 0]
     ttft_ax.clear()
     data = [[r.ttft * 1000 for r in records if r.ttft is not None] for records in runs.values()]
-    ttft_ax.boxplot(data, tick_labels=list(runs), vert=False)
+    ttft_ax.boxplot(data, tick_labels=list(runs), orientation="horizontal")
     ttft_ax.set_xlabel("time to first token (ms)")
     ttft_ax.set_xscale("log")
     fig.suptitle(title, fontsize=10)

@@ -45,3 +45,16 @@ def test_shared_prefix_compares_caching_on_and_off(tmp_path):
     assert on["prompt_tokens"] == off["prompt_tokens"]
     assert 0 < on["peak_kv_blocks"] < off["peak_kv_blocks"]
     assert "<!-- shared-prefix -->" in readme
+
+
+@pytest.mark.slow
+def test_offline_throughput_compares_tidegate_and_transformers(tmp_path):
+    readme = tmp_path / "README.md"
+    out = tmp_path / "offline_throughput.json"
+    command = [sys.executable, str(BENCHMARKS / "offline_throughput.py"), "--sizes", "tiny"]
+    command += ["--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--repeats", "1"]
+    subprocess.run([*command, "--out", str(out), "--readme", str(readme)], check=True, timeout=300)
+    row = json.loads(out.read_text())["results"][0]
+    assert row["tidegate"]["output_tokens"] == row["transformers"]["output_tokens"] == 16
+    assert (tmp_path / "offline_throughput.png").stat().st_size > 10_000
+    assert "<!-- throughput-vs-peers -->" in readme.read_text()
