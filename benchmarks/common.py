@@ -6,10 +6,13 @@ import json
 import os
 import platform
 import re
+import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from tidegate.engine.bench.local_server import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -24,6 +27,12 @@ def model_dir(size: str, root: Path | None = None) -> Path:
     if not (folder / "config.json").is_file():
         make_tiny_model(folder, arch="llama", size=size)
     return folder
+
+
+def tidegate_server(model: Path, *flags: str) -> LocalServer:
+    """`tidegate serve` as every scenario runs it: the model served as "m", bf16, quiet."""
+    common = ("--served-model-name", "m", "--dtype", "bfloat16")
+    return LocalServer.tidegate_serve(model, *common, *flags, log=subprocess.DEVNULL)
 
 
 def machine() -> dict:

@@ -12,12 +12,19 @@ latency of the steady streams while the long prompts prefill, against their own 
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
-from common import README, RESULTS, machine, model_dir, table, update_readme, write_result
+from common import (
+    README,
+    RESULTS,
+    machine,
+    model_dir,
+    table,
+    tidegate_server,
+    update_readme,
+    write_result,
+)
 
-from tidegate.engine.bench.local_server import LocalServer
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import long_prompt_arrival_workload
@@ -51,16 +58,7 @@ def main() -> None:
     )
     results, runs = {}, {}
     for label, flags in CONFIGS.items():
-        server = LocalServer.tidegate_serve(
-            model,
-            "--served-model-name",
-            "m",
-            "--dtype",
-            "bfloat16",
-            *flags,
-            log=subprocess.DEVNULL,
-        )
-        with server:
+        with tidegate_server(model, *flags) as server:
             server.wait_healthy()
             result, records = run_bench(server.base_url, "m", workload, progress=False)
         results[label] = {"flags": flags, **result}

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import tempfile
 from pathlib import Path
 
-from common import README, RESULTS, ROOT, machine, model_dir, table, update_readme, write_result
+from common import (
+    README,
+    RESULTS,
+    ROOT,
+    machine,
+    model_dir,
+    table,
+    tidegate_server,
+    update_readme,
+    write_result,
+)
 
 from tidegate.engine.bench.local_server import LocalServer, free_port
 from tidegate.engine.bench.plot import plot_run
@@ -55,19 +64,6 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
     )
 
 
-def tidegate_server(model: Path, max_model_len: int) -> LocalServer:
-    """`tidegate serve` with default scheduling, like vLLM's: prompts chunked by the budget."""
-    flags = (
-        "--served-model-name",
-        "m",
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        str(max_model_len),
-    )
-    return LocalServer.tidegate_serve(model, *flags, log=subprocess.DEVNULL)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -85,7 +81,11 @@ def main() -> None:
     workloads = [
         random_workload(args.num_prompts, (128, 512), (64, 128), seed=i) for i in range(len(rates))
     ]
-    servers = {"tidegate": tidegate_server, "vllm-cpu": vllm_server}
+    servers = {
+        # Default scheduling, like vLLM's: prompts chunked by the step budget only.
+        "tidegate": lambda model, length: tidegate_server(model, "--max-model-len", str(length)),
+        "vllm-cpu": vllm_server,
+    }
     results: dict[str, dict[str, dict]] = {name: {} for name in servers}
     runs = {}
     for name, make in servers.items():

@@ -10,7 +10,6 @@ blocks in use (sampled from /metrics), TTFT, and prompt tokens the model actuall
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
 from common import (
@@ -21,11 +20,11 @@ from common import (
     model_dir,
     scrape,
     table,
+    tidegate_server,
     update_readme,
     write_result,
 )
 
-from tidegate.engine.bench.local_server import LocalServer
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import shared_prefix_workload
@@ -56,18 +55,7 @@ def main() -> None:
     )
     results, runs = {}, {}
     for label, flags in CONFIGS.items():
-        server = LocalServer.tidegate_serve(
-            model,
-            "--served-model-name",
-            "m",
-            "--dtype",
-            "bfloat16",
-            "--num-gpu-blocks",
-            str(NUM_BLOCKS),
-            *flags,
-            log=subprocess.DEVNULL,
-        )
-        with server:
+        with tidegate_server(model, "--num-gpu-blocks", str(NUM_BLOCKS), *flags) as server:
             server.wait_healthy()
             with PeakSampler(server.base_url, "tidegate:kv_cache_usage_perc") as peak:
                 result, records = run_bench(server.base_url, "m", workload, progress=False)
