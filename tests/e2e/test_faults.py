@@ -98,25 +98,41 @@ def test_api_server_engine_core_and_worker_are_named_processes(server):
     assert worker.name().startswith("tidegate::work")  # `top` shows the 15-byte comm
 
 
-def test_client_disconnect_mid_stream_frees_its_kv_blocks(server):
+def aborted_requests(base_url: str) -> float:
+    """tidegate:request_success_total{finished_reason="abort"}."""
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith("tidegate:request_success_total{") and '"abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no abort counter in /metrics")
+
+
+def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_path):
+    # Its own server, with the model's whole context: the request could run for seconds, so
+    # its end cannot come before the disconnect however slow the client is.
+    server = start_server(tiny_llama_dir, tmp_path)
+
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-            stream = await open_stream(client, max_tokens=400)
+            stream = await open_stream(client, max_tokens=4000)
             for _ in range(5):
                 assert await stream.next_event() is not None
-            usage = metric(server.base_url, "tidegate:kv_cache_usage_perc")
-            assert usage > 0
+            assert metric(server.base_url, "tidegate:kv_cache_usage_perc") > 0
             await stream.response.aclose()
 
-    asyncio.run(run())
-    wait_for(
-        lambda: (
-            metric(server.base_url, "tidegate:num_requests_running") == 0
-            and metric(server.base_url, "tidegate:kv_cache_usage_perc") == 0
-        ),
-        10,
-        "the disconnected request to be aborted and its blocks freed",
-    )
+    try:
+        asyncio.run(run())
+        wait_for(
+            lambda: (
+                metric(server.base_url, "tidegate:num_requests_running") == 0
+                and metric(server.base_url, "tidegate:kv_cache_usage_perc") == 0
+            ),
+            10,
+            "the disconnected request's blocks to be freed",
+        )
+        # Freed because it was aborted, not because it ran to its end.
+        assert aborted_requests(server.base_url) == 1
+    finally:
+        server.stop()
 
 
 def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir, tmp_path):
