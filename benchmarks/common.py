@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,6 +28,16 @@ def model_dir(size: str, root: Path | None = None) -> Path:
     if not (folder / "config.json").is_file():
         make_tiny_model(folder, arch="llama", size=size)
     return folder
+
+
+def scenario_parser(description: str | None, smoke: bool = True) -> argparse.ArgumentParser:
+    """The flags every scenario takes: where results and the README table go, and --smoke."""
+    parser = argparse.ArgumentParser(description=description)
+    if smoke:
+        parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--readme", type=Path, default=README)
+    return parser
 
 
 def tidegate_server(model: Path, *flags: str) -> LocalServer:

@@ -11,14 +11,10 @@ latency of the steady streams while the long prompts prefill, against their own 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from common import (
-    README,
-    RESULTS,
     machine,
     model_dir,
+    scenario_parser,
     table,
     tidegate_server,
     update_readme,
@@ -37,11 +33,7 @@ CONFIGS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, default=README)
-    args = parser.parse_args()
+    args = scenario_parser(__doc__).parse_args()
     if args.smoke:
         size, streams, steady_out, long_len, arrivals = "tiny", 4, 500, (1000, 1500), [0.5, 0.8]
     else:

@@ -9,17 +9,15 @@ rates of the same seeded random workload. Reported: TTFT and ITL percentiles, th
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import tempfile
 from pathlib import Path
 
 from common import (
-    README,
-    RESULTS,
     ROOT,
     machine,
     model_dir,
+    scenario_parser,
     table,
     tidegate_server,
     update_readme,
@@ -65,12 +63,10 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = scenario_parser(__doc__, smoke=False)
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--rates", default="1,2,4,inf", help="request rates, req/s")
     parser.add_argument("--num-prompts", type=int, default=48)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args()
     if not (PEERS / "vllm-env.sh").is_file():
         raise SystemExit("vLLM is not installed: run `make bench-peers` (it sets it up first)")

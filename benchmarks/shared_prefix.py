@@ -9,15 +9,11 @@ blocks in use (sampled from /metrics), TTFT, and prompt tokens the model actuall
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from common import (
-    README,
-    RESULTS,
     PeakSampler,
     machine,
     model_dir,
+    scenario_parser,
     scrape,
     table,
     tidegate_server,
@@ -38,11 +34,7 @@ NUM_BLOCKS = 8192
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, default=README)
-    args = parser.parse_args()
+    args = scenario_parser(__doc__).parse_args()
     size, sessions = ("tiny", 16) if args.smoke else ("small", 64)
     model = model_dir(size)
     workload = shared_prefix_workload(
