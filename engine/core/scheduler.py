@@ -166,12 +166,13 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self._finished_req_ids = set()
-        num_decodes = sum(
-            1
-            for req_id, num in scheduled.items()
-            if num == 1 and _is_decoding(self.requests[req_id])
-        )
-        self._last_mix = (num_decodes, total - num_decodes)
+        if self.chunk_tuner is not None:  # only the tuner needs the step's mix
+            num_decodes = sum(
+                1
+                for req_id, num in scheduled.items()
+                if num == 1 and _is_decoding(self.requests[req_id])
+            )
+            self._last_mix = (num_decodes, total - num_decodes)
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
             request = self.requests[req_id]
