@@ -77,6 +77,7 @@ class AsyncLLM:
         metrics: PrometheusMetrics | None = None,
     ) -> AsyncLLM:
         """Check the model folder here, start the engine core, and wait until it serves."""
+        args.check_supported()
         model_config = ModelConfig.from_pretrained(args.model)
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
         tokenizer = Tokenizer(args.tokenizer or args.model)

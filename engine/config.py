@@ -57,6 +57,18 @@ class EngineArgs(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention kernels: triton on CUDA, torch on CPU when auto."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Worker processes that each hold one shard of the model."
+    )
+    data_parallel_size_local: int = Field(
+        1, ge=1, description="Engine cores in this server, each with its own KV cache."
+    )
+    kv_role: Literal["none", "producer", "consumer"] = Field(
+        "none",
+        description="Disaggregated serving: producer computes prompts (prefill) and hands its KV "
+        "blocks to a consumer (decode).",
+    )
+    kv_port: int = Field(14579, ge=1, le=65535, description="Port of the KV-block transport.")
     seed: int = Field(0, ge=0, description="Seed for requests that give none.")
     num_threads: int | None = Field(
         None, ge=1, description="torch threads on CPU; defaults to all cores."
@@ -67,6 +79,20 @@ class EngineArgs(BaseModel):
         if self.scheduling_policy == "phased":
             return max(self.max_num_batched_tokens, max_model_len)
         return self.max_num_batched_tokens
+
+    def check_supported(self) -> None:
+        """Refuse, before anything starts, the shapes this build of the engine cannot run yet."""
+        unsupported = {
+            "tensor_parallel_size": self.tensor_parallel_size != 1,
+            "data_parallel_size_local": self.data_parallel_size_local != 1,
+            "kv_role": self.kv_role != "none",
+        }
+        named = [name for name, refused in unsupported.items() if refused]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: this engine build runs one worker, one engine core and no "
+                "KV transfer; the defaults (1, 1, none) are the values it accepts"
+            )
 
     @model_validator(mode="after")
     def _check_limits(self) -> EngineArgs:

@@ -53,6 +53,7 @@ class EngineCore:
     """One engine instance: add requests, abort them, and step."""
 
     def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
+        args.check_supported()
         self.args = args
         model_config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = resolve_max_model_len(args, model_config)

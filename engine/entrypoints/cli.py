@@ -18,25 +18,61 @@ from tidegate.engine.config import EngineArgs, ServerArgs
 M = typing.TypeVar("M", bound=BaseModel)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model: type[BaseModel] = EngineArgs) -> None:
-    """Add one --flag per field of a config model, named and documented from the model itself."""
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel] = EngineArgs,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """Add one --flag per field of a config model, named and documented from the model itself.
+
+    `defaults` (field name -> value, e.g. from --config) replace the model's defaults, so that
+    a flag on the command line still wins over the file.
+    """
+    defaults = defaults or {}
     for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
+        default = defaults.get(name, field.default)
         kwargs: dict[str, Any] = {"help": field.description, "dest": name}
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-            kwargs["default"] = field.default
+            kwargs["default"] = default
         elif typing.get_origin(_strip_none(annotation)) is list:
-            kwargs.update(nargs="+", default=field.default)
+            kwargs.update(nargs="+", default=default)
         else:
             choices, cast = _argparse_type(annotation)
             kwargs.update(type=cast, choices=choices)
-            if field.is_required():
+            if field.is_required() and name not in defaults:
                 kwargs["required"] = True
             else:
-                kwargs["default"] = field.default
+                kwargs["default"] = default
         parser.add_argument(flag, **kwargs)
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line spelling of a config field: max_num_seqs -> max-num-seqs."""
+    return field_name.replace("_", "-")
+
+
+def load_config_file(path: str, models: Sequence[type[BaseModel]]) -> dict[str, Any]:
+    """Flag values from a YAML (or JSON) mapping whose keys are flag names, as vLLM's --config."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as error:
+        raise SystemExit(f"tidegate: cannot read --config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise SystemExit(f"tidegate: --config {path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"tidegate: --config {path} must hold a mapping of flag: value")
+    known = {name for model in models for name in model.model_fields}
+    values = {str(key).replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(flag_name(key) for key in values if key not in known)
+    if unknown:
+        raise SystemExit(f"tidegate: --config {path} names unknown flags: {', '.join(unknown)}")
+    return values
 
 
 def _strip_none(annotation: Any) -> Any:
@@ -133,8 +169,8 @@ def _bench_throughput(ns: argparse.Namespace) -> int:
     return bench_throughput(ns, engine_args_from(ns))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line, subcommands included."""
+def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The whole command line, subcommands included; `config` holds `serve --config` values."""
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -154,8 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    add_engine_args(serve)
-    add_engine_args(serve, ServerArgs)
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of flag: value (e.g. max-num-seqs: 64); flags given here win",
+    )
+    add_engine_args(serve, defaults=config)
+    add_engine_args(serve, ServerArgs, defaults=config)
     serve.set_defaults(handler=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -182,7 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand."""
-    ns = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = None
+    if argv[:1] == ["serve"]:
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        path = pre.parse_known_args(argv[1:])[0].config
+        if path is not None:
+            config = load_config_file(path, [EngineArgs, ServerArgs])
+    ns = build_parser(config).parse_args(argv)
     try:
         return ns.handler(ns)
     except ValueError as error:
