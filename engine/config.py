@@ -138,3 +138,19 @@ class ServerArgs(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of all processes."
     )
+
+
+class RouterArgs(BaseModel):
+    """How `tidegate router` finds prefill and decode instances and listens (disaggregated)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: list[str] = Field(
+        description="Prefill instance URLs; a headless Service's URL means every pod behind it."
+    )
+    decode: list[str] = Field(description="Decode instance URLs, as for prefill.")
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )

@@ -17,6 +17,7 @@ from pydantic import (
     PlainValidator,
     ValidationError,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -26,7 +27,6 @@ VERSION = "v1alpha1"
 KIND = "LLMDeployment"
 PLURAL = "llmdeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
-
 
 
 def _int_or_auto(value: Any) -> int | str:
@@ -59,6 +59,13 @@ class PVCSource(SpecModel):
 
     claim_name: str = Field(min_length=1, max_length=253)
     path: str = Field("", description="Folder inside the volume; empty means its root.")
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_volume(cls, path: str) -> str:
+        if ".." in path:
+            raise ValueError("path must not contain '..'")
+        return path
 
 
 class HostPathSource(SpecModel):
@@ -130,7 +137,9 @@ class TopologySpec(SpecModel):
             if self.unified is not None:
                 raise ValueError("unified is only allowed when mode is unified")
         elif any(role is not None for role in (self.prefill, self.decode, self.router)):
-            raise ValueError("prefill, decode and router are only allowed when mode is disaggregated")
+            raise ValueError(
+                "prefill, decode and router are only allowed when mode is disaggregated"
+            )
         return self
 
     def roles(self) -> dict[str, RoleSpec]:
@@ -228,7 +237,9 @@ class SpecError(ValueError):
 def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
     """The typed spec of a resource's `spec`; SpecError names each bad field as kubectl would."""
     try:
-        return LLMDeploymentSpec.model_validate(spec)
+        # As the API server reads it: camelCase only (populate_by_name is for Python callers),
+        # and no coercion ("2" is not an integer, "yes" not a boolean).
+        return LLMDeploymentSpec.model_validate(spec, by_alias=True, by_name=False, strict=True)
     except ValidationError as error:
         raise SpecError(_describe(error)) from None
 

@@ -51,3 +51,45 @@ def test_bad_engine_flag_values_exit_with_a_message(tmp_path):
     assert result.returncode == 2
     assert "has no config.json" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    from tidegate.engine.config import EngineArgs, ServerArgs
+    from tidegate.engine.entrypoints.cli import build_parser, engine_args_from, load_config_file
+
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "model: /models/x\nmax-num-seqs: 7\nenable-prefix-caching: false\n"
+        "served-model-name: [a, b]\nlong-prefill-token-threshold: auto\nport: 9000\n"
+    )
+    values = load_config_file(str(config), [EngineArgs, ServerArgs])
+    ns = build_parser(values).parse_args(["serve", "--config", str(config), "--port", "9100"])
+    engine = engine_args_from(ns)
+    server = engine_args_from(ns, ServerArgs)
+    assert engine.model == "/models/x"  # a required flag may come from the file
+    assert engine.max_num_seqs == 7
+    assert engine.enable_prefix_caching is False
+    assert engine.long_prefill_token_threshold == "auto"
+    assert server.served_model_name == ["a", "b"]
+    assert server.port == 9100  # the command line wins over the file
+
+
+def test_serve_config_file_with_an_unknown_flag_is_refused(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text("model: /m\nmax-num-sequences: 7\n")
+    result = subprocess.run(
+        [*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "names unknown flags: max-num-sequences" in result.stderr
+
+
+def test_engine_shapes_this_build_cannot_run_are_refused_before_anything_starts(tmp_path):
+    from tidegate.engine.entrypoints.cli import main
+
+    for flag, value in [("--tensor-parallel-size", "2"), ("--kv-role", "producer")]:
+        try:
+            code = main(["generate", "--model", str(tmp_path), "--prompt", "x", flag, value])
+        except SystemExit as exit:  # pragma: no cover - argparse errors
+            code = exit.code
+        assert code == 2

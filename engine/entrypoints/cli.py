@@ -157,6 +157,46 @@ def _demo(ns: argparse.Namespace) -> int:
         return 1
 
 
+def _fetch_model(ns: argparse.Namespace) -> int:
+    from tidegate.engine.entrypoints.fetch_model import fetch_model
+
+    print(fetch_model(ns.uri, ns.dest))
+    return 0
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    from tidegate.operator.manifest import load_llm_deployments
+    from tidegate.operator.plan import plan, write_table, write_yaml
+    from tidegate.operator.render import RenderOptions
+    from tidegate.operator.spec import SpecError
+
+    try:
+        resources = load_llm_deployments(ns.file)
+        for resource in resources:
+            if ns.namespace:
+                resource["metadata"]["namespace"] = ns.namespace
+        plans = plan(resources, RenderOptions(default_image=ns.engine_image))
+    except SpecError as error:
+        print(f"tidegate plan: {error}", file=sys.stderr)
+        return 1
+    (write_yaml if ns.output == "yaml" else write_table)(resources, plans, sys.stdout)
+    return 0
+
+
+def _operator(ns: argparse.Namespace) -> int:
+    import logging
+
+    from tidegate.operator.handlers import OperatorOptions, run_operator
+    from tidegate.operator.render import RenderOptions
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    options = OperatorOptions(render=RenderOptions(default_image=ns.engine_image))
+    run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
+    return 0
+
+
 def _bench_serve(ns: argparse.Namespace) -> int:
     from tidegate.engine.bench.serve import main as bench_serve
 
@@ -212,6 +252,39 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     bench_tp.add_argument("--num-prompts", type=int, default=64)
     bench_tp.add_argument("--out", default=None)
     bench_tp.set_defaults(handler=_bench_throughput)
+
+    from tidegate.operator.render import DEFAULT_ENGINE_IMAGE
+
+    fetch = sub.add_parser("fetch-model", help="put a model folder in place (init containers)")
+    fetch.add_argument("uri", help="http(s):// or file:// .tar/.tar.gz of the folder, or a dir")
+    fetch.add_argument("dest", help="folder to fill")
+    fetch.set_defaults(handler=_fetch_model)
+
+    plan = sub.add_parser("plan", help="what the operator would create for a manifest, and why")
+    plan.add_argument("-f", "--file", required=True, help="YAML with LLMDeployment resources")
+    plan.add_argument("-o", "--output", choices=["table", "yaml"], default="table")
+    plan.add_argument("-n", "--namespace", help="namespace to render into (default: the file's)")
+    plan.add_argument(
+        "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
+    )
+    plan.set_defaults(handler=_plan)
+
+    operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    operator.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        help="watch this namespace (repeat for several); default: the whole cluster",
+    )
+    operator.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="URL of the liveness endpoint to serve ('' for none)",
+    )
+    operator.add_argument(
+        "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
+    )
+    operator.set_defaults(handler=_operator)
 
     demo = sub.add_parser("demo", help="serve a model, ask it one question, keep serving")
     demo.add_argument("--model", required=True)

@@ -1,0 +1,175 @@
+"""The kopf handlers: thin, every one ends in `reconcile` for the resource concerned.
+
+- create / update / resume of an LLMDeployment: reconcile it;
+- every change of an object we own (a rollout moving, someone editing or deleting a
+  child): reconcile its owner, which refreshes status and undoes edits to our fields;
+- delete: children carry owner references, so the garbage collector removes them; we
+  also delete them ourselves, for clusters or tools that strip owner references.
+
+kopf keeps its own bookkeeping under status.kopf (not in annotations): a GitOps tool that
+compares metadata and spec sees no drift. There is no timer: kopf guards timers with a
+finalizer, which would write to every resource and block deletion when the operator is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from tidegate.operator.kube import Kube, KubeError
+from tidegate.operator.reconcile import OWNED_KINDS, reconcile
+from tidegate.operator.render import MANAGED_BY, RenderOptions
+from tidegate.operator.spec import GROUP, PLURAL, VERSION
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """What `tidegate operator` is started with."""
+
+    render: RenderOptions = field(default_factory=RenderOptions)
+    # Retry delay after the API server refused a write (conflict, outage, throttling).
+    retry_seconds: float = 10.0
+
+
+class _State:
+    """The connection and the per-resource locks, shared by all handlers of one operator."""
+
+    def __init__(self) -> None:
+        self.kube: Kube | None = None
+        self.locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.pending: set[tuple[str, str]] = set()
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings: bookkeeping in status, events only for warnings and errors."""
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.diffbase")
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = "tidegate.dev/finalizer"
+
+
+def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegistry:
+    """A registry holding every handler of the operator, configured by `options`."""
+    options = options or OperatorOptions()
+    registry = kopf.OperatorRegistry()
+    state = _State()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None:
+            state.kube = Kube(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        if state.kube is not None:
+            await state.kube.close()
+
+    async def run(body: kopf.Body, logger: Any) -> None:
+        meta = body["metadata"]
+        key = (meta.get("namespace", "default"), meta["name"])
+        lock = state.lock(*key)
+        if lock.locked():
+            # A pass is running: it will run once more and see whatever changed meanwhile.
+            # A burst of child events (a rollout) costs two passes, not one per event.
+            state.pending.add(key)
+            return
+        async with lock:
+            while True:
+                state.pending.discard(key)
+                await reconcile_once(*key, logger)
+                if key not in state.pending:
+                    return
+
+    async def reconcile_once(namespace: str, name: str, logger: Any) -> None:
+        assert state.kube is not None, "login handler did not run"
+        # Read afresh: the body of a queued event may be stale.
+        latest = await state.kube.get(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name)
+        if latest is None or latest.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            outcome = await reconcile(state.kube, latest, options.render, logger)
+        except KubeError as error:
+            raise kopf.TemporaryError(str(error), delay=options.retry_seconds) from error
+        if outcome.error is not None and outcome.error[0] == "ApplyFailed":
+            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_seconds)
+
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, field="spec", registry=registry)
+    @kopf.on.resume(*resource, registry=registry)
+    async def reconcile_resource(body: kopf.Body, logger: Any, **_: Any) -> None:
+        await run(body, logger)
+
+    async def child_changed(body: kopf.Body, type: str | None, logger: Any, **_: Any) -> None:
+        owner = _owner_name(body)
+        if owner is None or type is None:  # type None: the initial listing, resume covers it
+            return
+        parent = {"metadata": {"name": owner, "namespace": body["metadata"].get("namespace")}}
+        try:
+            await run(parent, logger)
+        except kopf.TemporaryError as error:
+            logger.warning(f"{owner} not reconciled after a change of its child: {error}")
+
+    for api_version, kind in OWNED_KINDS:
+        group, _, version = api_version.rpartition("/")
+        kopf.on.event(
+            group,
+            version,
+            kind,
+            labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+            registry=registry,
+            id=f"child-{kind.lower()}",
+        )(child_changed)
+
+    @kopf.on.delete(*resource, optional=True, registry=registry)
+    async def delete_children(body: kopf.Body, logger: Any, **_: Any) -> None:
+        meta = body["metadata"]
+        namespace = meta.get("namespace", "default")
+        if state.kube is None:
+            return
+        labels = {
+            "app.kubernetes.io/instance": meta["name"],
+            "app.kubernetes.io/managed-by": MANAGED_BY,
+        }
+        for api_version, kind in OWNED_KINDS:
+            for item in await state.kube.list(api_version, kind, namespace, labels):
+                await state.kube.delete(api_version, kind, namespace, item["metadata"]["name"])
+        logger.info(f"deleted the children of {meta['name']}")
+
+    return registry
+
+
+def _owner_name(body: kopf.Body) -> str | None:
+    for ref in body["metadata"].get("ownerReferences") or []:
+        if ref.get("kind") == "LLMDeployment" and ref.get("controller"):
+            return ref.get("name")
+    return None
+
+
+def run_operator(
+    options: OperatorOptions,
+    *,
+    namespaces: list[str],
+    liveness_endpoint: str | None,
+) -> None:
+    """Run until stopped: every namespace when `namespaces` is empty, else only those."""
+    kopf.run(
+        registry=build_registry(options),
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness_endpoint,
+    )

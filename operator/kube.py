@@ -1,0 +1,145 @@
+"""A thin async Kubernetes API client for the objects the operator owns.
+
+kopf watches and patches the LLMDeployment itself; this client creates, applies and deletes
+its children and writes the parent's status, with the credentials kopf logged in with.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import kopf
+
+FIELD_MANAGER = "tidegate-operator"
+
+# kind -> (API path prefix, plural) for every kind the operator reads or writes.
+_KINDS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("tidegate.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
+}
+
+
+class KubeError(Exception):
+    """A refused API call; `status` is the HTTP status and the message the API server's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    """The REST path of a namespaced object, or of its collection when name is None."""
+    plural = _KINDS[(api_version, kind)]
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{root}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+class Kube:
+    """Create, apply, list, delete and patch status over one connection."""
+
+    def __init__(self, info: kopf.ConnectionInfo) -> None:
+        self._info = info
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                headers=self._info.as_http_headers(),
+                connector=aiohttp.TCPConnector(ssl=self._info.as_ssl_context()),
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        """Release the connection pool."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> dict[str, Any] | None:
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with self._client().request(
+            method, path.lstrip("/"), data=data, headers=headers, params=params
+        ) as response:
+            text = await response.text()
+            if response.status == 404 and method == "GET":
+                return None
+            if response.status >= 400:
+                try:
+                    message = json.loads(text).get("message", text)
+                except ValueError:
+                    message = text
+                raise KubeError(response.status, message)
+            return json.loads(text) if text else {}
+
+    async def get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        return await self._call("GET", object_path(api_version, kind, namespace, name))
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace that carry all the given labels."""
+        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        result = await self._call(
+            "GET", object_path(api_version, kind, namespace), params={"labelSelector": selector}
+        )
+        items = (result or {}).get("items", [])
+        # Filter here too: a server that ignores the selector must not widen what we touch.
+        return [
+            item
+            for item in items
+            if labels.items() <= (item.get("metadata", {}).get("labels") or {}).items()
+        ]
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create an object; KubeError 409 when it exists."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return await self._call("POST", path, obj, params={"fieldManager": FIELD_MANAGER}) or {}
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply: we own exactly the fields we send, other managers keep theirs."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        return (
+            await self._call("PATCH", path, obj, "application/apply-patch+yaml", params=params)
+            or {}
+        )
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete an object; one that is already gone is fine."""
+        try:
+            await self._call("DELETE", object_path(api_version, kind, namespace, name))
+        except KubeError as error:
+            if error.status != 404:
+                raise
+
+    async def patch_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge `status` into the object's status subresource."""
+        path = object_path(api_version, kind, namespace, name) + "/status"
+        return (
+            await self._call("PATCH", path, {"status": status}, "application/merge-patch+json")
+            or {}
+        )

@@ -1,0 +1,190 @@
+"""Make the cluster match one LLMDeployment: apply what `render` says, drop what it no longer
+says, and report status. Level-based and idempotent: it reads the resource and its children
+each time, keeps no state of its own, and writes only what differs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidegate.operator.kube import Kube, KubeError
+from tidegate.operator.render import MANAGED_BY, RenderOptions, render
+from tidegate.operator.spec import API_VERSION, KIND, SpecError
+from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
+from tidegate.operator.tuning import TuningError
+
+OWNED_KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+# Status keys kopf keeps for itself; we neither compare nor overwrite them.
+KOPF_STATUS_KEY = "kopf"
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did: the writes it made and the error it reported, if any."""
+
+    created: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    status_written: bool = False
+    error: tuple[str, str] | None = None
+
+    @property
+    def writes(self) -> int:
+        return len(self.created) + len(self.applied) + len(self.deleted) + self.status_written
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether every field we set is already so; fields others added (defaults) do not count."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(
+            is_subset(value, have.get(key)) for key, value in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(is_subset(w, h) for w, h in zip(want, have, strict=True))
+        )
+    return want == have
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def reconcile(
+    kube: Kube,
+    resource: Mapping[str, Any],
+    options: RenderOptions,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> Outcome:
+    """One pass of make-it-so for `resource` (a whole LLMDeployment object)."""
+    meta = resource["metadata"]
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    outcome = Outcome()
+    effective: dict[str, Any] | None = None
+    roles: list[RoleState]
+    try:
+        rendered = render(dict(resource), options)
+    except TuningError as error:
+        outcome.error = ("TuningRefused", str(error))
+    except SpecError as error:
+        outcome.error = ("InvalidSpec", str(error))
+    if outcome.error is not None:
+        # Keep what runs: a bad edit must not take a working endpoint down.
+        logger.warning(f"not applying {name}: {outcome.error[1]}")
+        roles = await _live_roles(kube, namespace, name)
+        endpoint = (resource.get("status") or {}).get("endpoint", "")
+    else:
+        effective = rendered.tuning.to_status()
+        endpoint = rendered.endpoint
+        try:
+            live = await _apply_all(kube, rendered.objects, outcome, logger)
+            await _delete_stale(kube, namespace, name, meta.get("uid"), rendered.objects, outcome)
+        except KubeError as error:
+            outcome.error = ("ApplyFailed", error.message)
+            live = {}
+        roles = [
+            role_state(
+                obj["metadata"]["labels"]["app.kubernetes.io/component"],
+                obj["spec"]["replicas"],
+                live.get(_key(obj)),
+            )
+            for obj in rendered.objects
+            if obj["kind"] == "Deployment"
+        ]
+    previous = {k: v for k, v in (resource.get("status") or {}).items() if k != KOPF_STATUS_KEY}
+    status = compute_status(
+        generation=meta.get("generation"),
+        roles=roles,
+        effective=effective,
+        endpoint=endpoint,
+        error=outcome.error,
+        previous=previous,
+        now=_now(),
+    )
+    patch = merge_patch(previous, status)
+    if patch:
+        await kube.patch_status(API_VERSION, KIND, namespace, name, patch)
+        outcome.status_written = True
+    return outcome
+
+
+async def _apply_all(
+    kube: Kube,
+    objects: list[dict[str, Any]],
+    outcome: Outcome,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> dict[str, dict[str, Any]]:
+    """Create what is missing, apply what differs; returns the live objects by kind/name."""
+    live_objects: dict[str, dict[str, Any]] = {}
+    for obj in objects:
+        meta = obj["metadata"]
+        live = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if live is None:
+            try:
+                live = await kube.create(obj)
+                outcome.created.append(_key(obj))
+                logger.info(f"created {_key(obj)}")
+            except KubeError as error:
+                if error.status != 409:  # 409: another pass created it in between
+                    raise
+                live = await kube.get(
+                    obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]
+                )
+        if live is not None and not is_subset(obj, live):
+            live = await kube.apply(obj)
+            outcome.applied.append(_key(obj))
+            logger.info(f"updated {_key(obj)}")
+        live_objects[_key(obj)] = live or obj
+    return live_objects
+
+
+async def _delete_stale(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    uid: str | None,
+    objects: list[dict[str, Any]],
+    outcome: Outcome,
+) -> None:
+    """Delete our children that the spec no longer asks for (e.g. after a mode change)."""
+    wanted = {_key(obj) for obj in objects}
+    labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    for api_version, kind in OWNED_KINDS:
+        for item in await kube.list(api_version, kind, namespace, labels):
+            if _key({"kind": kind, **item}) in wanted or not _owned_by(item, uid):
+                continue
+            await kube.delete(api_version, kind, namespace, item["metadata"]["name"])
+            outcome.deleted.append(f"{kind}/{item['metadata']['name']}")
+
+
+def _owned_by(item: Mapping[str, Any], uid: str | None) -> bool:
+    refs = item.get("metadata", {}).get("ownerReferences") or []
+    return uid is not None and any(ref.get("uid") == uid for ref in refs)
+
+
+async def _live_roles(kube: Kube, namespace: str, name: str) -> list[RoleState]:
+    labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    deployments = await kube.list("apps/v1", "Deployment", namespace, labels)
+    return [
+        role_state(
+            d["metadata"]["labels"]["app.kubernetes.io/component"],
+            (d.get("spec") or {}).get("replicas", 1),
+            d,
+        )
+        for d in deployments
+    ]

@@ -1,0 +1,478 @@
+"""What should exist for one LLMDeployment: a pure function from the resource to objects.
+
+No I/O here: the handlers apply what `render` returns, `tidegate plan` prints it, and the
+tests validate it against the upstream Kubernetes schemas.
+
+Unified: ConfigMap, Deployment, Service, PodDisruptionBudget. Disaggregated: ConfigMap,
+prefill and decode Deployments behind headless Services (the router resolves their pods),
+a router Deployment behind the public Service, and a PodDisruptionBudget per Deployment.
+Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
+that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
+commented with its reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
+from tidegate.operator.spec import API_VERSION, KIND, LLMDeploymentSpec, SpecError, parse_spec
+from tidegate.operator.tuning import DTYPE_BYTES, RoleTuning, Tuning, tune
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/tidegate/engine:0.1.0"
+ENGINE_PORT = 8000
+CONFIG_DIR = "/etc/tidegate"
+MODEL_DIR = "/model"
+SPEC_HASH = "tidegate.dev/spec-hash"
+MANAGED_BY = "tidegate-operator"
+# SIGTERM drains in-flight requests for this long (tidegate serve --shutdown-timeout) ...
+SHUTDOWN_TIMEOUT_S = 30
+# ... and the kubelet must wait longer than that before it sends SIGKILL.
+TERMINATION_GRACE_S = SHUTDOWN_TIMEOUT_S + 15
+# A model loads at no less than this rate from a volume (conservative for network disks).
+LOAD_BYTES_PER_S = 200e6
+# Child names are <name>-prefill and the like: Service names, so DNS-1035 labels.
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME_LENGTH = 40
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What the operator knows that the resource does not say."""
+
+    default_image: str = DEFAULT_ENGINE_IMAGE
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The objects to apply, and the tuning they carry."""
+
+    objects: list[dict[str, Any]]
+    tuning: Tuning
+    endpoint: str
+
+
+def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Rendered:
+    """The objects an LLMDeployment should own; SpecError/TuningError when it cannot be served."""
+    options = options or RenderOptions()
+    meta = resource.get("metadata", {})
+    name = meta.get("name", "")
+    if len(name) > MAX_NAME_LENGTH or not NAME_PATTERN.match(name):
+        raise SpecError(
+            f"metadata.name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} "
+            "characters (lowercase letters, digits, '-'): it names the Services"
+        )
+    spec = parse_spec(resource.get("spec") or {})
+    tuning = tune(spec)
+    ctx = _Context(
+        name=meta["name"],
+        namespace=meta.get("namespace") or "default",
+        owner=_owner_reference(meta),
+        spec=spec,
+        image=spec.image or options.default_image,
+    )
+    objects: list[dict[str, Any]] = []
+    configs = {role: _engine_config(ctx, t) for role, t in tuning.roles.items()}
+    if spec.topology.mode == "disaggregated":
+        configs["router"] = _router_config(ctx)
+    objects.append(ctx.config_map(configs))
+    for role, role_tuning in tuning.roles.items():
+        replicas = spec.topology.roles()[role].replicas
+        objects.append(ctx.engine_deployment(role, role_tuning, replicas, configs[role]))
+    if spec.topology.mode == "unified":
+        objects.append(ctx.service(ctx.name, "unified", spec.service.port, headless=False))
+        objects.append(ctx.pdb("unified"))
+    else:
+        router_replicas = spec.topology.router.replicas if spec.topology.router else 1
+        objects.append(ctx.router_deployment(router_replicas, configs["router"]))
+        objects.append(ctx.service(ctx.name, "router", spec.service.port, headless=False))
+        for role in ("prefill", "decode"):
+            objects.append(ctx.service(f"{ctx.name}-{role}", role, ENGINE_PORT, headless=True))
+        for role in ("prefill", "decode", "router"):
+            objects.append(ctx.pdb(role))
+    return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource))
+
+
+def endpoint_of(resource: dict[str, Any]) -> str:
+    """The in-cluster OpenAI base URL of a resource."""
+    meta = resource["metadata"]
+    port = ((resource.get("spec") or {}).get("service") or {}).get("port", ENGINE_PORT)
+    return f"http://{meta['name']}.{meta.get('namespace') or 'default'}.svc:{port}/v1"
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """Labels that pick one role's pods; never changes over a resource's life."""
+    return {
+        "app.kubernetes.io/name": "tidegate",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def child_labels(name: str, component: str) -> dict[str, str]:
+    """Labels on every object the operator owns."""
+    return {
+        **selector_labels(name, component),
+        "app.kubernetes.io/part-of": "tidegate",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def _owner_reference(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    if not meta.get("uid"):  # `tidegate plan` renders a resource no cluster has seen
+        return []
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "uid": meta["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
+    """The role's `--config` file: every flag the operator sets, tuned ones with their reasons."""
+    spec = ctx.spec
+    values: dict[str, Any] = {
+        "model": MODEL_DIR,
+        "served_model_name": [spec.model.name],
+        "host": "0.0.0.0",
+        "port": ENGINE_PORT,
+        "device": "cuda" if spec.accelerator else "cpu",
+        "dtype": spec.model.dtype,
+        "block_size": spec.scheduling.block_size,
+        "max_num_seqs": spec.scheduling.max_num_seqs,
+        "enable_prefix_caching": spec.scheduling.enable_prefix_caching,
+        "shutdown_timeout": float(SHUTDOWN_TIMEOUT_S),
+        "metrics_compat": "vllm",
+    }
+    if spec.model.max_model_len is not None:
+        values["max_model_len"] = spec.model.max_model_len
+    if tuning.role != "unified":
+        values["kv_role"] = "producer" if tuning.role == "prefill" else "consumer"
+    reasons: dict[str, str] = {}
+    choices = {
+        "tensor_parallel_size": tuning.tensor_parallel_size,
+        "data_parallel_size_local": tuning.data_parallel_size_local,
+        "max_num_batched_tokens": tuning.max_num_batched_tokens,
+        "long_prefill_token_threshold": tuning.long_prefill_token_threshold,
+    }
+    for field, choice in choices.items():
+        values[field] = choice.value
+        reasons[field] = choice.reason
+    _check_fields(values, EngineArgs, ServerArgs)
+    return _config_text(f"tidegate serve --config: {tuning.role} pods", values, reasons)
+
+
+def _router_config(ctx: _Context) -> str:
+    values = {
+        "prefill": [ctx.service_url(f"{ctx.name}-prefill")],
+        "decode": [ctx.service_url(f"{ctx.name}-decode")],
+        "host": "0.0.0.0",
+        "port": ENGINE_PORT,
+    }
+    _check_fields(values, RouterArgs)
+    return _config_text("tidegate router --config: router pods", values, {})
+
+
+def _check_fields(values: dict[str, Any], *models: type) -> None:
+    """Every key is a flag the engine declares: a renamed field fails here, not in a pod."""
+    known = {name for model in models for name in model.model_fields}  # type: ignore[attr-defined]
+    unknown = sorted(set(values) - known)
+    assert not unknown, f"rendered flags the engine does not declare: {unknown}"
+
+
+def _config_text(title: str, values: dict[str, Any], reasons: dict[str, str]) -> str:
+    lines = [f"# {title}. Rendered by the Tidegate operator; edits are overwritten."]
+    for field, value in values.items():
+        line = yaml.safe_dump({field.replace("_", "-"): value}, default_flow_style=True)
+        line = line.strip().removeprefix("{").removesuffix("}")
+        if field in reasons:
+            lines.append(f"# {reasons[field]}")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _health_check() -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}}
+
+
+def _digest(*parts: Any) -> str:
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class _Context:
+    name: str
+    namespace: str
+    owner: list[dict[str, Any]]
+    spec: LLMDeploymentSpec
+    image: str
+
+    @property
+    def config_map_name(self) -> str:
+        return f"{self.name}-config"
+
+    def service_url(self, service: str) -> str:
+        return f"http://{service}.{self.namespace}.svc:{ENGINE_PORT}"
+
+    def metadata(self, name: str, component: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": child_labels(self.name, component),
+        }
+        if self.owner:
+            meta["ownerReferences"] = [dict(ref) for ref in self.owner]
+        return meta
+
+    def config_map(self, configs: dict[str, str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": self.metadata(self.config_map_name, "config"),
+            "data": {f"{role}.yaml": text for role, text in configs.items()},
+        }
+
+    def service(self, name: str, component: str, port: int, *, headless: bool) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "selector": selector_labels(self.name, component),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        }
+        if headless:
+            # One DNS A record per ready pod: the router balances across them itself.
+            spec["clusterIP"] = "None"
+        else:
+            spec["type"] = self.spec.service.type
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.metadata(name, component),
+            "spec": spec,
+        }
+
+    def pdb(self, component: str) -> dict[str, Any]:
+        name = self.name if component == "unified" else f"{self.name}-{component}"
+        return {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": self.metadata(name, component),
+            "spec": {
+                # Drains take one pod of a role at a time, so the endpoint keeps serving.
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": selector_labels(self.name, component)},
+            },
+        }
+
+    def engine_deployment(
+        self, role: str, tuning: RoleTuning, replicas: int, config: str
+    ) -> dict[str, Any]:
+        name = self.name if role == "unified" else f"{self.name}-{role}"
+        container = self.container(role, ["serve", "--config", f"{CONFIG_DIR}/{role}.yaml"])
+        resources = self.engine_resources(tuning)
+        if resources:
+            container["resources"] = resources
+        if role == "prefill":
+            container["ports"].append(
+                {"name": "kv", "containerPort": EngineArgs.model_fields["kv_port"].default}
+            )
+        container.update(self.probes())
+        volumes, mounts, init = self.model_volume()
+        container["volumeMounts"].extend(mounts)
+        pod_spec = self.pod_spec(container, volumes)
+        if init is not None:
+            pod_spec["initContainers"] = [init]
+        return self.deployment(name, role, replicas, pod_spec, config)
+
+    def router_deployment(self, replicas: int, config: str) -> dict[str, Any]:
+        container = self.container("router", ["router", "--config", f"{CONFIG_DIR}/router.yaml"])
+        container["resources"] = {
+            "requests": {"cpu": "500m", "memory": "512Mi"},
+            "limits": {"memory": "1Gi"},
+        }
+        container["readinessProbe"] = {**_health_check(), "periodSeconds": 5}
+        container["livenessProbe"] = {**_health_check(), "periodSeconds": 10, "failureThreshold": 6}
+        pod_spec = self.pod_spec(container, [])
+        return self.deployment(f"{self.name}-router", "router", replicas, pod_spec, config)
+
+    def deployment(
+        self, name: str, role: str, replicas: int, pod_spec: dict[str, Any], config: str
+    ) -> dict[str, Any]:
+        template_meta: dict[str, Any] = {"labels": child_labels(self.name, role)}
+        # The pod template changes when the spec or this role's config does: that rolls the pods.
+        template_meta["annotations"] = {SPEC_HASH: _digest(pod_spec, config, template_meta)}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": self.metadata(name, role),
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": selector_labels(self.name, role)},
+                "revisionHistoryLimit": 3,
+                "progressDeadlineSeconds": self.progress_deadline(),
+                # Never below the desired capacity during a rollout: a new pod serves first.
+                "strategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                },
+                "template": {"metadata": template_meta, "spec": pod_spec},
+            },
+        }
+
+    def container(self, role: str, args: list[str]) -> dict[str, Any]:
+        container: dict[str, Any] = {
+            "name": "router" if role == "router" else "engine",
+            "image": self.image,
+            "command": ["tidegate"],
+            "args": args,
+            "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "runAsNonRoot": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+            "volumeMounts": [
+                {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+        }
+        if self.spec.image_pull_policy:
+            container["imagePullPolicy"] = self.spec.image_pull_policy
+        # The root filesystem is read-only: caches (Triton, torch, tokenizers) go under /tmp.
+        env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+        if self.spec.auth and self.spec.auth.api_key_secret_ref and role != "fetch-model":
+            # The key stays in its Secret: never in the ConfigMap, the args or the logs.
+            ref = self.spec.auth.api_key_secret_ref
+            env.append(
+                {
+                    "name": "TIDEGATE_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
+        container["env"] = env
+        return container
+
+    def pod_spec(self, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "fsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": self.config_map_name}},
+                {"name": "tmp", "emptyDir": {}},
+                *volumes,
+            ],
+        }
+
+    def engine_resources(self, tuning: RoleTuning) -> dict[str, Any]:
+        requests: dict[str, str] = {}
+        limits: dict[str, str] = {}
+        accelerator = self.spec.accelerator
+        if accelerator is not None:
+            count = str(max(tuning.accelerators_per_pod(), 1))
+            requests[accelerator.resource] = count
+            limits[accelerator.resource] = count
+        resources = self.spec.resources
+        if resources is not None and resources.cpu:
+            requests["cpu"] = resources.cpu
+        if resources is not None and resources.memory:
+            requests["memory"] = resources.memory
+            limits["memory"] = resources.memory
+        out: dict[str, Any] = {}
+        if requests:
+            out["requests"] = requests
+        if limits:
+            out["limits"] = limits
+        return out
+
+    def weight_bytes(self) -> float:
+        count = self.spec.model.parameter_count or 0.0
+        return count * DTYPE_BYTES[self.spec.model.dtype]
+
+    def load_seconds(self) -> int:
+        """How long a pod may take to load its weights before it counts as stuck."""
+        return 300 + math.ceil(self.weight_bytes() / LOAD_BYTES_PER_S)
+
+    def progress_deadline(self) -> int:
+        return self.load_seconds() + 300
+
+    def probes(self) -> dict[str, Any]:
+        period = 10
+        return {
+            # /health answers only once the weights are loaded: allow for slow loads here,
+            # so that liveness can stay strict afterwards.
+            "startupProbe": {
+                **_health_check(),
+                "periodSeconds": period,
+                "failureThreshold": math.ceil(self.load_seconds() / period),
+            },
+            "readinessProbe": {**_health_check(), "periodSeconds": 5, "failureThreshold": 2},
+            "livenessProbe": {
+                **_health_check(),
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 6,
+            },
+        }
+
+    def model_volume(
+        self,
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
+        """(volumes, engine mounts, init container) that put the model folder at MODEL_DIR."""
+        source = self.spec.model.source
+        shm = {
+            # Workers exchange step inputs through /dev/shm; the container default is 64 MiB.
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"},
+        }
+        shm_mount = {"name": "dshm", "mountPath": "/dev/shm"}
+        model_mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+        if source.pvc is not None:
+            volume = {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
+            }
+            if source.pvc.path:
+                model_mount["subPath"] = source.pvc.path.strip("/")
+            return [shm, volume], [shm_mount, model_mount], None
+        if source.host_path is not None:
+            volume = {
+                "name": "model",
+                "hostPath": {"path": source.host_path.path, "type": "Directory"},
+            }
+            return [shm, volume], [shm_mount, model_mount], None
+        assert source.uri is not None
+        empty_dir: dict[str, Any] = {}
+        if self.weight_bytes():
+            # The archive and the folder unpacked from it are on the volume together.
+            empty_dir["sizeLimit"] = f"{math.ceil(self.weight_bytes() * 2.2 / 2**30)}Gi"
+        volume = {"name": "model", "emptyDir": empty_dir}
+        # The URI is one argument of an exec'd command, never part of a shell line.
+        init = self.container("fetch-model", ["fetch-model", source.uri, MODEL_DIR])
+        init["name"] = "fetch-model"
+        del init["ports"]
+        init["volumeMounts"] = [
+            {"name": "model", "mountPath": MODEL_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ]
+        return [shm, volume], [shm_mount, model_mount], init

@@ -1,0 +1,183 @@
+"""An LLMDeployment's status, computed from its children: pure, so every case is a unit test.
+
+Ready is true only when every role's pods run the current spec: each Deployment has seen its
+latest generation, all its replicas are updated and available, and no pod of an older
+template is left (a rollout whose old pods still serve is Progressing, not Ready).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """Where one role's Deployment stands."""
+
+    role: str
+    desired: int
+    updated: int
+    ready: int  # pods of the current template that are available
+    old: int  # pods of an older template still running
+    observed: bool  # the Deployment controller has seen the latest generation
+    stuck: str | None  # message of a ProgressDeadlineExceeded condition
+
+    @property
+    def done(self) -> bool:
+        return self.observed and self.old == 0 and self.updated == self.ready == self.desired
+
+
+def role_state(role: str, desired: int, live: Mapping[str, Any] | None) -> RoleState:
+    """Read a live Deployment (None: not created yet) the way `kubectl rollout status` does."""
+    if live is None:
+        return RoleState(role, desired, 0, 0, 0, False, None)
+    status = live.get("status") or {}
+    generation = (live.get("metadata") or {}).get("generation")
+    observed = generation is None or status.get("observedGeneration", 0) >= generation
+    total = status.get("replicas", 0)
+    updated = status.get("updatedReplicas", 0) if observed else 0
+    available = status.get("availableReplicas", 0)
+    old = max(total - updated, 0)
+    # Available pods of the current template: at least all available minus every old pod.
+    ready = min(max(available - old, 0), updated)
+    stuck = None
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Progressing" and condition.get("reason") == (
+            "ProgressDeadlineExceeded"
+        ):
+            stuck = condition.get("message") or "progress deadline exceeded"
+    return RoleState(role, desired, updated, ready, old, observed, stuck)
+
+
+def condition(
+    kind: str,
+    value: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    previous: list[dict[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    """A condition; its lastTransitionTime moves only when its status does."""
+    status = "True" if value else "False"
+    since = now
+    for old in previous:
+        if old.get("type") == kind and old.get("status") == status:
+            since = old.get("lastTransitionTime", now)
+    out = {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def compute_status(
+    *,
+    generation: int | None,
+    roles: list[RoleState],
+    effective: dict[str, Any] | None,
+    endpoint: str,
+    error: tuple[str, str] | None,
+    previous: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """The whole status (less kopf's bookkeeping); `error` is (reason, message) or None."""
+    conditions_before = list(previous.get("conditions") or [])
+    rolling = [r for r in roles if not r.done]
+    stuck = [r for r in roles if r.stuck]
+    empty = [r for r in roles if r.desired == 0]
+    ready = not rolling and not empty and error is None and bool(roles)
+
+    if ready:
+        ready_reason, ready_message = "AllRolesReady", "every pod runs the current spec"
+    elif error is not None:
+        ready_reason, ready_message = error[0], error[1]
+    elif empty:
+        names = ", ".join(r.role for r in empty)
+        ready_reason, ready_message = "ScaledToZero", f"{names} has 0 replicas"
+    else:
+        ready_reason, ready_message = "RollingOut", _describe_rollout(rolling)
+
+    if rolling:
+        progressing = (True, "RollingOut", _describe_rollout(rolling))
+    else:
+        progressing = (False, "RolloutComplete", "every role runs the current spec")
+
+    if error is not None:
+        degraded = (True, error[0], error[1])
+    elif stuck:
+        message = "; ".join(f"{r.role}: {r.stuck}" for r in stuck)
+        degraded = (True, "RolloutStuck", message)
+    else:
+        degraded = (False, "AsExpected", "nothing is wrong")
+
+    def make(kind: str, value: bool, reason: str, message: str) -> dict[str, Any]:
+        return condition(kind, value, reason, message, generation, conditions_before, now)
+
+    conditions = [
+        make(READY, ready, ready_reason, ready_message),
+        make(PROGRESSING, *progressing),
+        make(DEGRADED, *degraded),
+    ]
+    if degraded[0]:
+        phase = "Degraded"
+    elif ready:
+        phase = "Ready"
+    elif rolling:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": conditions,
+        "endpoint": endpoint,
+        "ready": f"{sum(r.ready for r in roles)}/{sum(r.desired for r in roles)}",
+        "replicas": {
+            r.role: {"desired": r.desired, "ready": r.ready, "updated": r.updated} for r in roles
+        },
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    if effective is not None:
+        status["effective"] = effective
+    elif "effective" in previous:
+        status["effective"] = previous["effective"]  # what the pods still run
+    return status
+
+
+def _describe_rollout(rolling: list[RoleState]) -> str:
+    parts = []
+    for r in rolling:
+        if not r.observed:
+            parts.append(f"{r.role}: waiting for the Deployment controller")
+            continue
+        text = f"{r.role}: {r.ready} of {r.desired} pods run the current spec"
+        if r.old:
+            text += f", {r.old} old pod{'s' if r.old != 1 else ''} still serving"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`; {} when they are equal."""
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            inner = merge_patch(before, value)
+            if inner:
+                patch[key] = inner
+        elif value != before or key not in old:
+            patch[key] = value
+    return patch

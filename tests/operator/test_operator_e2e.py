@@ -1,0 +1,527 @@
+"""The operator end to end: kopf running our handlers against kmock's Kubernetes emulator.
+
+The emulator has no Deployment controller; tests play it by writing Deployment status, and
+play the API server's generation counter by bumping metadata.generation with each spec edit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
+from tidegate.operator.handlers import build_registry
+
+LLMD = "tidegate.dev/v1alpha1"
+# Every test module's operator logs here; settle() waits for it to go quiet.
+KOPF_LOG = KopfLog()
+NS = "default"
+
+
+def llmd(name: str, spec: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": LLMD,
+        "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": NS, "uid": uid or f"uid-{name}", "generation": 1},
+        "spec": spec,
+    }
+
+
+def tiny_spec(**extra: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "tiny", "source": {"hostPath": {"path": "/models/tiny"}}},
+        "image": "tidegate/engine-cpu:1",
+    }
+    spec.update(extra)
+    return spec
+
+
+GPU_SPEC = {
+    "model": {
+        "name": "llama-8b",
+        "source": {"pvc": {"claimName": "models", "path": "llama-3-8b"}},
+        "parameterCount": 8.0e9,
+        "numKeyValueHeads": 8,
+        "numAttentionHeads": 32,
+    },
+    "image": "tidegate/engine:1",
+    "accelerator": {"resource": "nvidia.com/gpu", "count": 2, "memoryGiB": 80},
+    "scheduling": {"slo": {"ttftMs": 800, "itlMs": 50}},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kopf_log() -> Iterator[None]:
+    with KOPF_LOG:
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
+    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
+        yield emulated
+
+
+def run_operator(cluster: EmulatedCluster) -> KopfRunner:
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    return KopfRunner(
+        ["run", "--standalone", "--all-namespaces"], registry=build_registry(), timeout=30
+    )
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
+    with run_operator(cluster) as runner:
+        yield runner
+    assert runner.exception is None, runner.output[-3000:]
+
+
+def get(cluster: EmulatedCluster, kind: str, name: str) -> dict[str, Any] | None:
+    api = {
+        "ConfigMap": "v1",
+        "Service": "v1",
+        "Deployment": "apps/v1",
+        "PodDisruptionBudget": "policy/v1",
+        "LLMDeployment": LLMD,
+    }[kind]
+    return cluster.get(api, kind, name)
+
+
+def status(cluster: EmulatedCluster, name: str) -> dict[str, Any]:
+    return (get(cluster, "LLMDeployment", name) or {}).get("status") or {}
+
+
+def conditions(cluster: EmulatedCluster, name: str) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status(cluster, name).get("conditions", [])}
+
+
+def edit_spec(cluster: EmulatedCluster, name: str, spec: dict[str, Any]) -> None:
+    """Replace the spec as `kubectl apply` would, bumping the generation as the API server does."""
+    live = get(cluster, "LLMDeployment", name)
+    assert live is not None
+    generation = live["metadata"].get("generation", 1) + 1
+    # The emulator merges JSON: null out keys that the new spec drops.
+    patch_spec = {key: None for key in live["spec"] if key not in spec} | spec
+    cluster.patch(
+        LLMD, "LLMDeployment", name, {"metadata": {"generation": generation}, "spec": patch_spec}
+    )
+
+
+def roll_out(
+    cluster: EmulatedCluster, name: str, *, replicas: int, updated: int, available: int
+) -> None:
+    """Play the Deployment controller: report pods of the current and older templates."""
+    live = get(cluster, "Deployment", name)
+    assert live is not None
+    generation = live["metadata"].get("generation", 1)
+    cluster.patch(
+        "apps/v1",
+        "Deployment",
+        name,
+        {
+            "status": {
+                "observedGeneration": generation,
+                "replicas": replicas,
+                "updatedReplicas": updated,
+                "readyReplicas": available,
+                "availableReplicas": available,
+            }
+        },
+        subresource="status",
+    )
+
+
+def config_of(cluster: EmulatedCluster, name: str, role: str) -> dict[str, Any]:
+    config_map = get(cluster, "ConfigMap", f"{name}-config")
+    assert config_map is not None
+    return yaml.safe_load(config_map["data"][f"{role}.yaml"])
+
+
+def settle(cluster: EmulatedCluster, quiet_s: float = 1.0, timeout: float = 30.0) -> int:
+    """Wait until the operator neither wrote nor handled anything for `quiet_s`.
+
+    Returns the request count at the start of that quiet spell, for `cluster.writes(since=)`.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        mark = cluster.request_count()
+        writes, lines = len(cluster.writes()), len(KOPF_LOG.lines)
+        time.sleep(quiet_s)
+        if len(cluster.writes()) == writes and len(KOPF_LOG.lines) == lines:
+            return mark
+    raise AssertionError("the operator kept working")
+
+
+def test_unified_resource_gets_its_children_and_status(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("uni", tiny_spec()))
+    deployment = wait_for(lambda: get(cluster, "Deployment", "uni"), what="the Deployment")
+    assert wait_for(lambda: get(cluster, "PodDisruptionBudget", "uni"), what="the PDB")
+    service = get(cluster, "Service", "uni")
+    assert service is not None and service["spec"]["selector"]["app.kubernetes.io/component"] == (
+        "unified"
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"] == ["serve", "--config", "/etc/tidegate/unified.yaml"]
+    config = config_of(cluster, "uni", "unified")
+    assert config["model"] == "/model"
+    assert config["served-model-name"] == ["tiny"]
+    assert config["tensor-parallel-size"] == 1
+    assert config["long-prefill-token-threshold"] == "auto"  # CPU: the engine tunes online
+    for kind, name in [
+        ("ConfigMap", "uni-config"),
+        ("Deployment", "uni"),
+        ("Service", "uni"),
+        ("PodDisruptionBudget", "uni"),
+    ]:
+        owners = get(cluster, kind, name)["metadata"]["ownerReferences"]  # type: ignore[index]
+        assert owners == [
+            {
+                "apiVersion": LLMD,
+                "kind": "LLMDeployment",
+                "name": "uni",
+                "uid": "uid-uni",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], kind
+
+    # Not ready until the pods run.
+    wait_for(lambda: status(cluster, "uni").get("phase") == "Progressing", what="Progressing")
+    assert conditions(cluster, "uni")["Ready"]["status"] == "False"
+    assert status(cluster, "uni")["endpoint"] == "http://uni.default.svc:8000/v1"
+    assert status(cluster, "uni")["effective"]["roles"]["unified"]["tensorParallelSize"] == 1
+    assert status(cluster, "uni")["observedGeneration"] == 1
+
+    roll_out(cluster, "uni", replicas=1, updated=1, available=1)
+    wait_for(lambda: status(cluster, "uni").get("phase") == "Ready", what="Ready")
+    ready = conditions(cluster, "uni")["Ready"]
+    assert ready["status"] == "True" and ready["reason"] == "AllRolesReady"
+    assert status(cluster, "uni")["ready"] == "1/1"
+    assert conditions(cluster, "uni")["Progressing"]["status"] == "False"
+    assert conditions(cluster, "uni")["Degraded"]["status"] == "False"
+
+
+def test_disaggregated_resource_gets_pools_router_and_headless_services(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    spec = tiny_spec(
+        topology={
+            "mode": "disaggregated",
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 2},
+            "router": {"replicas": 1},
+        }
+    )
+    cluster.create(llmd("pd", spec))
+    for name in ("pd-prefill", "pd-decode", "pd-router"):
+        wait_for(lambda name=name: get(cluster, "Deployment", name), what=name)
+        wait_for(lambda name=name: get(cluster, "PodDisruptionBudget", name), what=f"{name} PDB")
+    assert get(cluster, "Deployment", "pd-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    public = wait_for(lambda: get(cluster, "Service", "pd"), what="the public Service")
+    assert public["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    for role in ("prefill", "decode"):
+        headless = wait_for(lambda role=role: get(cluster, "Service", f"pd-{role}"), what=role)
+        assert headless["spec"]["clusterIP"] == "None"
+    assert config_of(cluster, "pd", "prefill")["kv-role"] == "producer"
+    assert config_of(cluster, "pd", "decode")["kv-role"] == "consumer"
+    router = config_of(cluster, "pd", "router")
+    assert router["prefill"] == ["http://pd-prefill.default.svc:8000"]
+    assert router["decode"] == ["http://pd-decode.default.svc:8000"]
+    assert get(cluster, "Deployment", "pd") is None  # no unified pool
+
+    for name, replicas in [("pd-prefill", 1), ("pd-decode", 2), ("pd-router", 1)]:
+        roll_out(cluster, name, replicas=replicas, updated=replicas, available=replicas)
+    wait_for(lambda: status(cluster, "pd").get("phase") == "Ready", what="Ready")
+    assert status(cluster, "pd")["ready"] == "4/4"
+    assert set(status(cluster, "pd")["replicas"]) == {"prefill", "decode", "router"}
+    assert set(status(cluster, "pd")["effective"]["roles"]) == {"prefill", "decode"}
+
+
+def test_spec_changes_patch_only_the_objects_they_concern(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("edit", copy.deepcopy(GPU_SPEC)))
+    wait_for(lambda: status(cluster, "edit").get("phase"), what="first status")
+    roll_out(cluster, "edit", replicas=1, updated=1, available=1)
+    wait_for(lambda: status(cluster, "edit").get("phase") == "Ready", what="Ready")
+    hash_before = get(cluster, "Deployment", "edit")["spec"]["template"]["metadata"][  # type: ignore[index]
+        "annotations"
+    ]["tidegate.dev/spec-hash"]
+    threshold_before = config_of(cluster, "edit", "unified")["long-prefill-token-threshold"]
+
+    # Replicas: only the Deployment changes, and its pods do not roll.
+    mark = settle(cluster)
+    edit_spec(cluster, "edit", GPU_SPEC | {"topology": {"unified": {"replicas": 3}}})
+    wait_for(lambda: get(cluster, "Deployment", "edit")["spec"]["replicas"] == 3, what="replicas")
+    settle(cluster)
+    writes = cluster.writes(since=mark)
+    assert [w for w in writes if "/status" not in w] == [
+        "PATCH /apis/apps/v1/namespaces/default/deployments/edit"
+    ]
+    deployment = get(cluster, "Deployment", "edit")
+    assert (
+        deployment["spec"]["template"]["metadata"]["annotations"][  # type: ignore[index]
+            "tidegate.dev/spec-hash"
+        ]
+        == hash_before
+    )
+    assert status(cluster, "edit")["phase"] == "Progressing"  # 1 of 3 pods so far
+
+    # A tighter ITL SLO: smaller chunks in the ConfigMap, and the pods roll to read them.
+    mark = settle(cluster)
+    spec = copy.deepcopy(GPU_SPEC) | {"topology": {"unified": {"replicas": 3}}}
+    spec["scheduling"] = {"slo": {"ttftMs": 800, "itlMs": 25}}
+    edit_spec(cluster, "edit", spec)
+    wait_for(
+        lambda: (
+            config_of(cluster, "edit", "unified")["long-prefill-token-threshold"] < threshold_before
+        ),
+        what="a smaller chunk threshold",
+    )
+    settle(cluster)
+    writes = [w for w in cluster.writes(since=mark) if "/status" not in w]
+    assert sorted(writes) == [
+        "PATCH /api/v1/namespaces/default/configmaps/edit-config",
+        "PATCH /apis/apps/v1/namespaces/default/deployments/edit",
+    ]
+    deployment = get(cluster, "Deployment", "edit")
+    assert (
+        deployment["spec"]["template"]["metadata"]["annotations"][  # type: ignore[index]
+            "tidegate.dev/spec-hash"
+        ]
+        != hash_before
+    )
+    reasons = status(cluster, "edit")["effective"]["reasons"]
+    assert any("longPrefillTokenThreshold" in r for r in reasons)
+
+    # A new image: only the Deployment.
+    mark = settle(cluster)
+    edit_spec(cluster, "edit", spec | {"image": "tidegate/engine:2"})
+    wait_for(
+        lambda: (
+            get(cluster, "Deployment", "edit")["spec"]["template"]["spec"]["containers"][0]["image"]
+            == "tidegate/engine:2"
+        ),
+        what="the new image",
+    )
+    settle(cluster)
+    writes = [w for w in cluster.writes(since=mark) if "/status" not in w]
+    assert writes == ["PATCH /apis/apps/v1/namespaces/default/deployments/edit"]
+    assert status(cluster, "edit")["observedGeneration"] == 4
+
+
+def test_rollout_with_old_pods_still_serving_is_not_ready(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("roll", tiny_spec(topology={"unified": {"replicas": 2}})))
+    wait_for(lambda: get(cluster, "Deployment", "roll"), what="the Deployment")
+    roll_out(cluster, "roll", replicas=2, updated=2, available=2)
+    wait_for(lambda: status(cluster, "roll").get("phase") == "Ready", what="Ready")
+
+    # A new image; the controller has started one new pod, both old ones still serve.
+    edit_spec(cluster, "roll", tiny_spec(topology={"unified": {"replicas": 2}}, image="x:2"))
+    wait_for(
+        lambda: (
+            get(cluster, "Deployment", "roll")["spec"]["template"]["spec"]["containers"][0]["image"]
+            == "x:2"
+        ),
+        what="the new image",
+    )
+    roll_out(cluster, "roll", replicas=3, updated=1, available=2)
+    wait_for(lambda: "old pod" in conditions(cluster, "roll")["Ready"]["message"], what="message")
+    ready = conditions(cluster, "roll")["Ready"]
+    assert ready["status"] == "False"
+    assert "0 of 2 pods run the current spec, 2 old pods still serving" in ready["message"]
+    assert conditions(cluster, "roll")["Progressing"]["status"] == "True"
+    assert status(cluster, "roll")["phase"] == "Progressing"
+
+    # The new pod is up; one old pod is left: still not Ready.
+    roll_out(cluster, "roll", replicas=3, updated=2, available=3)
+    wait_for(
+        lambda: "1 old pod still" in conditions(cluster, "roll")["Ready"]["message"],
+        what="one old pod left",
+    )
+    assert conditions(cluster, "roll")["Ready"]["status"] == "False"
+
+    roll_out(cluster, "roll", replicas=2, updated=2, available=2)
+    wait_for(lambda: status(cluster, "roll").get("phase") == "Ready", what="Ready again")
+    assert status(cluster, "roll")["ready"] == "2/2"
+
+
+def test_a_stuck_rollout_is_degraded(cluster: EmulatedCluster, operator: KopfRunner) -> None:
+    cluster.create(llmd("stuck", tiny_spec()))
+    wait_for(lambda: get(cluster, "Deployment", "stuck"), what="the Deployment")
+    cluster.patch(
+        "apps/v1",
+        "Deployment",
+        "stuck",
+        {
+            "status": {
+                "replicas": 1,
+                "updatedReplicas": 1,
+                "availableReplicas": 0,
+                "conditions": [
+                    {
+                        "type": "Progressing",
+                        "status": "False",
+                        "reason": "ProgressDeadlineExceeded",
+                        "message": 'ReplicaSet "stuck-5d4" has timed out progressing.',
+                    }
+                ],
+            }
+        },
+        subresource="status",
+    )
+    wait_for(lambda: status(cluster, "stuck").get("phase") == "Degraded", what="Degraded")
+    degraded = conditions(cluster, "stuck")["Degraded"]
+    assert degraded["reason"] == "RolloutStuck"
+    assert "timed out progressing" in degraded["message"]
+
+
+def test_a_spec_the_operator_refuses_is_reported_and_keeps_what_runs(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("bad", copy.deepcopy(GPU_SPEC)))
+    wait_for(lambda: get(cluster, "Deployment", "bad"), what="the Deployment")
+    settle(cluster)
+    before = get(cluster, "Deployment", "bad")
+
+    # More tensor parallelism than the pod has accelerators (the CRD cannot see this).
+    mark = settle(cluster)
+    edit_spec(cluster, "bad", GPU_SPEC | {"parallelism": {"tensorParallelSize": 4}})
+    wait_for(lambda: status(cluster, "bad").get("phase") == "Degraded", what="Degraded")
+    degraded = conditions(cluster, "bad")["Degraded"]
+    assert degraded["reason"] == "TuningRefused"
+    assert "accelerator" in degraded["message"]
+    assert conditions(cluster, "bad")["Ready"]["status"] == "False"
+    settle(cluster)
+    assert get(cluster, "Deployment", "bad") == before  # the running pods are left alone
+    assert [w for w in cluster.writes(since=mark) if "/status" not in w] == []
+
+    # A spec that even the schema would refuse, had it been checked (the emulator does not).
+    edit_spec(cluster, "bad", GPU_SPEC | {"topology": {"mode": "disaggregated"}})
+    wait_for(
+        lambda: conditions(cluster, "bad")["Degraded"]["reason"] == "InvalidSpec",
+        what="InvalidSpec",
+    )
+    assert "prefill and decode are required" in conditions(cluster, "bad")["Degraded"]["message"]
+
+    # Fixing the spec recovers.
+    edit_spec(cluster, "bad", copy.deepcopy(GPU_SPEC))
+    wait_for(lambda: conditions(cluster, "bad")["Degraded"]["status"] == "False", what="fixed")
+
+
+def test_edits_to_owned_fields_are_undone_and_others_kept(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("drift", tiny_spec()))
+    wait_for(lambda: get(cluster, "Deployment", "drift"), what="the Deployment")
+    settle(cluster)
+    # Someone scales by hand and adds their own annotation.
+    cluster.patch(
+        "apps/v1",
+        "Deployment",
+        "drift",
+        {"metadata": {"annotations": {"team.example.com/owner": "ml"}}, "spec": {"replicas": 5}},
+    )
+    wait_for(
+        lambda: get(cluster, "Deployment", "drift")["spec"]["replicas"] == 1,
+        what="replicas restored",
+    )
+    annotations = get(cluster, "Deployment", "drift")["metadata"]["annotations"]  # type: ignore[index]
+    assert annotations["team.example.com/owner"] == "ml"
+
+    # Someone deletes a child: it comes back.
+    cluster.delete("v1", "Service", "drift")
+    wait_for(lambda: get(cluster, "Service", "drift"), what="the Service back")
+
+
+def test_switching_mode_removes_the_pool_no_longer_wanted(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("switch", tiny_spec()))
+    wait_for(lambda: get(cluster, "Deployment", "switch"), what="the unified Deployment")
+    edit_spec(
+        cluster,
+        "switch",
+        tiny_spec(topology={"mode": "disaggregated", "prefill": {}, "decode": {}}),
+    )
+    wait_for(lambda: get(cluster, "Deployment", "switch-decode"), what="the decode pool")
+    wait_for(lambda: get(cluster, "Deployment", "switch") is None, what="unified pool removed")
+    wait_for(lambda: get(cluster, "PodDisruptionBudget", "switch") is None, what="its PDB removed")
+    public = get(cluster, "Service", "switch")
+    assert public is not None
+    assert public["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+
+
+def test_deleting_the_resource_leaves_children_to_the_garbage_collector(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("gone", tiny_spec(), uid="uid-gone"))
+    wait_for(lambda: get(cluster, "PodDisruptionBudget", "gone"), what="children")
+    settle(cluster)
+    cluster.delete(LLMD, "LLMDeployment", "gone")
+    wait_for(lambda: get(cluster, "LLMDeployment", "gone") is None, what="deletion")
+    # No finalizer held the resource, and every child names it as controller owner.
+    for kind, name in [
+        ("ConfigMap", "gone-config"),
+        ("Deployment", "gone"),
+        ("Service", "gone"),
+        ("PodDisruptionBudget", "gone"),
+    ]:
+        child = get(cluster, kind, name)
+        assert child is not None
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-gone"
+
+
+def test_a_second_reconcile_of_an_unchanged_resource_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    log = KOPF_LOG
+    with EmulatedCluster(tmp_path) as cluster:
+        with run_operator(cluster) as runner:
+            cluster.create(llmd("same", copy.deepcopy(GPU_SPEC)))
+            cluster.create(
+                llmd(
+                    "same-pd",
+                    tiny_spec(topology={"mode": "disaggregated", "prefill": {}, "decode": {}}),
+                )
+            )
+            wait_for(lambda: get(cluster, "Deployment", "same-pd-router"), what="children")
+            roll_out(cluster, "same", replicas=1, updated=1, available=1)
+            wait_for(lambda: status(cluster, "same").get("phase") == "Ready", what="Ready")
+            settle(cluster)
+            # A child event makes the operator reconcile the owner again: nothing to write.
+            mark = cluster.request_count()
+            runs = log.count("Handler 'child-deployment' succeeded")
+            roll_out(cluster, "same", replicas=1, updated=1, available=1)
+            wait_for(
+                lambda: log.count("Handler 'child-deployment' succeeded") > runs,
+                what="a reconcile after the child event",
+            )
+            settle(cluster)
+            assert cluster.writes(since=mark) == []
+        assert runner.exception is None
+
+        # A restarted operator resumes both resources: reads, and writes nothing.
+        mark = cluster.request_count()
+        resumed = log.count("reconcile_resource' succeeded")
+        with run_operator(cluster) as runner:
+            # Both resources resumed: each read its children and wrote nothing.
+            wait_for(
+                lambda: log.count("reconcile_resource' succeeded") >= resumed + 2,
+                what="both resources to be resumed",
+            )
+            settle(cluster)
+        assert runner.exception is None
+        assert cluster.writes(since=mark) == []

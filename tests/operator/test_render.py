@@ -1,0 +1,1051 @@
+"""Rendering turns an LLMDeployment into the objects the operator applies.
+
+What a user would notice: every object is one the API server of Kubernetes 1.30 and 1.37
+accepts (strict schemas), the pools and Services a topology promises exist and find each
+other, each pod runs `tidegate serve` on a config file the CLI loads, with the tuned flags,
+the model mounted, no shell, no root and no API key in plain text, and the pods roll exactly
+when something they run changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
+from tidegate.engine.entrypoints.cli import load_config_file
+from tidegate.operator.manifest import load_llm_deployments
+from tidegate.operator.render import (
+    DEFAULT_ENGINE_IMAGE,
+    SPEC_HASH,
+    Rendered,
+    RenderOptions,
+    render,
+)
+from tidegate.operator.spec import API_VERSION, KIND, SpecError
+from tidegate.operator.tuning import TuningError
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(glob.glob(str(REPO / "examples" / "*.yaml")))
+KUBERNETES_VERSIONS = ("1.30", "1.37")
+UID = "6f1c2a44-3b7e-4c55-9a1d-0d2f7e9b8c11"
+SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash", "-c"}
+TINY = 1e9  # parameters
+LLAMA_70B_MODEL = {
+    "name": "llama-3-70b-instruct",
+    "source": {"pvc": {"claimName": "models", "path": "llama-3-70b-instruct"}},
+    "parameterCount": 70.6e9,
+    "numAttentionHeads": 64,
+    "numKeyValueHeads": 8,
+    "maxModelLen": 8192,
+    "dtype": "bfloat16",
+}
+
+
+def resource(spec: dict[str, Any], *, name: str = "llm", namespace: str | None = "ml", uid=UID):
+    """An LLMDeployment as the API server hands it to the operator."""
+    metadata: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    if uid is not None:
+        metadata["uid"] = uid
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
+
+
+def model(source: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """A model part of a spec; the tiny model from a node folder unless told otherwise."""
+    return {"name": "tiny-llama", "source": source or {"hostPath": {"path": "/models/t"}}, **fields}
+
+
+def disaggregated(**roles: Any) -> dict[str, Any]:
+    return {"mode": "disaggregated", "prefill": {}, "decode": {}, **roles}
+
+
+def gpus(count: int, memory: float = 80, **fields: Any) -> dict[str, Any]:
+    return {"count": count, "memoryGiB": memory, **fields}
+
+
+def render_spec(spec: dict[str, Any], **meta: Any) -> Rendered:
+    return render(resource(spec, **meta))
+
+
+def find(rendered: Rendered, kind: str, name: str) -> dict[str, Any]:
+    matches = [
+        obj for obj in rendered.objects if obj["kind"] == kind and obj["metadata"]["name"] == name
+    ]
+    assert len(matches) == 1, f"expected one {kind} {name}, got {len(matches)}"
+    return matches[0]
+
+
+def deployments(rendered: Rendered) -> list[dict[str, Any]]:
+    return [obj for obj in rendered.objects if obj["kind"] == "Deployment"]
+
+
+def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]
+
+
+def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod_spec(deployment)["containers"]
+    return container
+
+
+def all_containers(rendered: Rendered) -> list[dict[str, Any]]:
+    return [
+        container
+        for deployment in deployments(rendered)
+        for key in ("initContainers", "containers")
+        for container in pod_spec(deployment).get(key, [])
+    ]
+
+
+def spec_hash(deployment: dict[str, Any]) -> str:
+    return deployment["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
+
+
+def config_map(rendered: Rendered) -> dict[str, Any]:
+    (cm,) = [obj for obj in rendered.objects if obj["kind"] == "ConfigMap"]
+    return cm
+
+
+def role_config(rendered: Rendered, role: str) -> dict[str, Any]:
+    """A role's config file as the flag values it sets, keyed by CLI flag name."""
+    return yaml.safe_load(config_map(rendered)["data"][f"{role}.yaml"])
+
+
+def mount(container: dict[str, Any], path: str) -> dict[str, Any]:
+    (found,) = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    return found
+
+
+def volume(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == name]
+    return found
+
+
+# --- every object validates against the upstream schemas ------------------------------------
+
+# (version, object as canonical JSON) already accepted: the tables and the generated specs
+# share most objects, and each schema check builds its validator afresh.
+_accepted: set[tuple[str, str]] = set()
+
+
+def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
+    for obj in objects:
+        key = (version, json.dumps(obj, sort_keys=True))
+        if key in _accepted:
+            continue
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(
+                f"{obj['kind']} {obj['metadata']['name']} is refused by Kubernetes {version}: "
+                f"{error.message} at {error.json_path}"
+            )
+        _accepted.add(key)
+
+
+TABLE = {
+    "unified-cpu-hostpath": {"model": model()},
+    "pvc-without-path": {"model": model({"pvc": {"claimName": "models"}})},
+    "pvc-with-path": {"model": model({"pvc": {"claimName": "models", "path": "/llama/3b/"}})},
+    "uri-init-container": {
+        "model": model({"uri": "https://models.example/llama.tar.gz"}, parameterCount=3 * TINY)
+    },
+    "one-gpu": {"model": model(parameterCount=7 * TINY), "accelerator": gpus(1)},
+    "eight-gpus-70b": {
+        "model": LLAMA_70B_MODEL,
+        "accelerator": gpus(8),
+        "topology": {"unified": {"replicas": 2}},
+    },
+    "amd-gpus": {
+        "model": model(parameterCount=70 * TINY, numKeyValueHeads=8),
+        "accelerator": gpus(8, 192, resource="amd.com/gpu"),
+        "parallelism": {"tensorParallelSize": 2},
+    },
+    "cpu-with-resources": {"model": model(), "resources": {"cpu": "1500m", "memory": "6Gi"}},
+    "auth-secret": {
+        "model": model(),
+        "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "secret-value"}},
+    },
+    "load-balancer": {"model": model(), "service": {"type": "LoadBalancer", "port": 443}},
+    "replicas-0": {"model": model(), "topology": {"unified": {"replicas": 0}}},
+    "image-pull-policy": {
+        "model": model(),
+        "image": "registry.example/tidegate:dev",
+        "imagePullPolicy": "Always",
+    },
+    "max-model-len": {"model": model(maxModelLen=4096, dtype="float16")},
+    "disaggregated-cpu": {"model": model(), "topology": disaggregated()},
+    "disaggregated-gpu-uri-auth": {
+        "model": model({"uri": "file:///seed/llama.tar"}, parameterCount=8 * TINY),
+        "accelerator": gpus(4, peakTflops=400),
+        "topology": disaggregated(
+            prefill={"replicas": 2, "tensorParallelSize": 1},
+            decode={"replicas": 3, "tensorParallelSize": 2, "maxNumBatchedTokens": 1024},
+            router={"replicas": 2},
+        ),
+        "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "secret-value"}},
+        "service": {"type": "NodePort"},
+        "imagePullPolicy": "IfNotPresent",
+    },
+    "disaggregated-scaled-to-zero": {
+        "model": model({"pvc": {"claimName": "models", "path": "tiny"}}),
+        "topology": disaggregated(
+            prefill={"replicas": 0}, decode={"replicas": 0}, router={"replicas": 0}
+        ),
+    },
+    "user-set-chunks": {
+        "model": model(parameterCount=7 * TINY),
+        "accelerator": gpus(2),
+        "scheduling": {
+            "longPrefillTokenThreshold": 512,
+            "maxNumBatchedTokens": 4096,
+            "maxNumSeqs": 64,
+            "blockSize": 32,
+            "enablePrefixCaching": False,
+            "slo": {"ttftMs": 300, "itlMs": 20},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: Path(path).stem)
+def test_every_example_renders_objects_kubernetes_accepts(path: str, version: str) -> None:
+    (example,) = load_llm_deployments(path)
+    example["metadata"]["uid"] = UID
+    assert_valid(render(example).objects, version)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("case", TABLE)
+def test_every_spec_of_the_table_renders_objects_kubernetes_accepts(case: str, version: str):
+    assert_valid(render_spec(TABLE[case]).objects, version)
+
+
+def test_the_schema_check_refuses_an_unknown_field() -> None:
+    """Strict mode is what catches a misspelt field; make sure it is on."""
+    deployment = copy.deepcopy(deployments(render_spec(TABLE["unified-cpu-hostpath"]))[0])
+    main_container(deployment)["readinessProb"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.37", strict=True)
+
+
+# Generated specs: each part is drawn from values the spec allows and tuning accepts, so any
+# refusal is a bug of the renderer or the tuner, not of the strategy.
+DNS_LABELS = st.from_regex(r"[a-z]([-a-z0-9]{0,20}[a-z0-9])?", fullmatch=True)
+
+
+@st.composite
+def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
+    sources = st.one_of(
+        st.builds(
+            lambda claim, path: {"pvc": {"claimName": claim, **({"path": path} if path else {})}},
+            DNS_LABELS,
+            st.sampled_from(["", "m", "/models/m/", "a/b"]),
+        ),
+        st.just({"hostPath": {"path": "/models/m"}}),
+        st.sampled_from(
+            ["https://h.example/m.tar", "file:///seed/m.tgz", "http://h/a b.tar.gz?x=1&y='2'"]
+        ).map(lambda uri: {"uri": uri}),
+    )
+    model_part = draw(
+        st.fixed_dictionaries(
+            {"name": st.text(min_size=1, max_size=40), "source": sources},
+            optional={
+                "parameterCount": st.sampled_from([0.5 * TINY, TINY, 7 * TINY, 30 * TINY]),
+                "numAttentionHeads": st.just(32),
+                "numKeyValueHeads": st.just(8),
+                "maxModelLen": st.sampled_from([2048, 8192, 32768]),
+                "dtype": st.sampled_from(["auto", "bfloat16", "float16"]),
+            },
+        )
+    )
+    spec: dict[str, Any] = {"model": model_part}
+    if draw(st.booleans()):
+        count = draw(st.sampled_from([1, 2, 4, 8]))
+        spec["accelerator"] = draw(
+            st.fixed_dictionaries(
+                {"count": st.just(count), "memoryGiB": st.sampled_from([80, 192])},
+                optional={
+                    "resource": st.sampled_from(["nvidia.com/gpu", "amd.com/gpu", "x.io/tpu"]),
+                    "peakTflops": st.sampled_from([300.0, 1000.0]),
+                },
+            )
+        )
+        tp_choices = ["auto", *[n for n in (1, 2, 4, 8) if n <= count]]
+        tp = draw(st.sampled_from(tp_choices))
+    else:
+        tp = draw(st.sampled_from(["auto", 1]))
+    spec["parallelism"] = {
+        "tensorParallelSize": tp,
+        "dataParallelSizeLocal": draw(st.sampled_from(["auto", 1])),
+    }
+    replicas = st.integers(0, 3)
+    spec["topology"] = draw(
+        st.one_of(
+            st.fixed_dictionaries({}, optional={"unified": st.builds(dict, replicas=replicas)}),
+            st.fixed_dictionaries(
+                {
+                    "mode": st.just("disaggregated"),
+                    "prefill": st.builds(dict, replicas=replicas),
+                    "decode": st.builds(dict, replicas=replicas),
+                },
+                optional={"router": st.builds(dict, replicas=replicas)},
+            ),
+        )
+    )
+    spec.update(
+        draw(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "scheduling": st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "longPrefillTokenThreshold": st.sampled_from(["auto", 256, 1024]),
+                            "maxNumBatchedTokens": st.sampled_from(["auto", 2048, 8192]),
+                            "maxNumSeqs": st.sampled_from([1, 64, 256]),
+                            "blockSize": st.sampled_from([16, 32, 64]),
+                            "enablePrefixCaching": st.booleans(),
+                            "slo": st.fixed_dictionaries(
+                                {"ttftMs": st.integers(1, 5000), "itlMs": st.integers(1, 200)}
+                            ),
+                        },
+                    ),
+                    "service": st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"]),
+                            "port": st.integers(1, 65535),
+                        },
+                    ),
+                    "image": st.sampled_from(["r.example/tg:1", "tg@sha256:" + "a" * 64]),
+                    "imagePullPolicy": st.sampled_from(["Always", "IfNotPresent", "Never"]),
+                    "resources": st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "cpu": st.sampled_from(["1", "250m", "0.5"]),
+                            "memory": st.sampled_from(["512Mi", "8Gi", "1.5G"]),
+                        },
+                    ),
+                    "auth": st.just({"apiKeySecretRef": {"name": "k", "key": "api-key"}}),
+                },
+            )
+        )
+    )
+    return spec
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=llm_specs(), name=DNS_LABELS, namespace=DNS_LABELS)
+def test_generated_specs_render_objects_kubernetes_accepts(spec, name, namespace) -> None:
+    rendered = render_spec(spec, name=name, namespace=namespace)
+    for version in KUBERNETES_VERSIONS:
+        assert_valid(rendered.objects, version)
+    for role in rendered.tuning.roles:
+        assert role_config(rendered, role)["served-model-name"] == [spec["model"]["name"]]
+
+
+# --- objects and how they find each other ----------------------------------------------------
+
+
+def kinds_and_names(rendered: Rendered) -> list[tuple[str, str]]:
+    return [(obj["kind"], obj["metadata"]["name"]) for obj in rendered.objects]
+
+
+def test_unified_renders_a_config_map_deployment_service_and_pdb() -> None:
+    rendered = render_spec({"model": model()})
+    assert sorted(kinds_and_names(rendered)) == [
+        ("ConfigMap", "llm-config"),
+        ("Deployment", "llm"),
+        ("PodDisruptionBudget", "llm"),
+        ("Service", "llm"),
+    ]
+    service = find(rendered, "Service", "llm")
+    deployment = find(rendered, "Deployment", "llm")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    pdb = find(rendered, "PodDisruptionBudget", "llm")
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+def test_disaggregated_renders_prefill_decode_and_router_pools() -> None:
+    rendered = render_spec({"model": model(), "topology": disaggregated()})
+    assert sorted(kinds_and_names(rendered)) == [
+        ("ConfigMap", "llm-config"),
+        ("Deployment", "llm-decode"),
+        ("Deployment", "llm-prefill"),
+        ("Deployment", "llm-router"),
+        ("PodDisruptionBudget", "llm-decode"),
+        ("PodDisruptionBudget", "llm-prefill"),
+        ("PodDisruptionBudget", "llm-router"),
+        ("Service", "llm"),
+        ("Service", "llm-decode"),
+        ("Service", "llm-prefill"),
+    ]
+    for role in ("prefill", "decode", "router"):
+        selector = find(rendered, "Deployment", f"llm-{role}")["spec"]["selector"]
+        assert find(rendered, "PodDisruptionBudget", f"llm-{role}")["spec"]["selector"] == selector
+
+
+def test_disaggregated_public_service_selects_the_router_pods() -> None:
+    rendered = render_spec({"model": model(), "topology": disaggregated()})
+    public = find(rendered, "Service", "llm")
+    router = find(rendered, "Deployment", "llm-router")
+    assert public["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert "clusterIP" not in public["spec"]
+    assert main_container(router)["args"] == ["router", "--config", "/etc/tidegate/router.yaml"]
+
+
+def test_disaggregated_prefill_and_decode_services_are_headless() -> None:
+    rendered = render_spec(
+        {"model": model(), "topology": disaggregated(), "service": {"type": "LoadBalancer"}}
+    )
+    for role in ("prefill", "decode"):
+        service = find(rendered, "Service", f"llm-{role}")
+        pods = find(rendered, "Deployment", f"llm-{role}")["spec"]["selector"]["matchLabels"]
+        assert service["spec"]["clusterIP"] == "None"
+        assert "type" not in service["spec"]  # only the public Service is a LoadBalancer
+        assert service["spec"]["selector"] == pods
+    assert find(rendered, "Service", "llm")["spec"]["type"] == "LoadBalancer"
+
+
+def test_public_service_has_the_spec_port_and_type() -> None:
+    rendered = render_spec({"model": model(), "service": {"type": "NodePort", "port": 443}})
+    service = find(rendered, "Service", "llm")
+    assert service["spec"]["type"] == "NodePort"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 443, "targetPort": "http", "protocol": "TCP"}
+    ]
+    container = main_container(find(rendered, "Deployment", "llm"))
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+
+
+def test_replicas_come_from_the_topology() -> None:
+    unified = render_spec({"model": model(), "topology": {"unified": {"replicas": 0}}})
+    assert find(unified, "Deployment", "llm")["spec"]["replicas"] == 0
+    split = render_spec(
+        {
+            "model": model(),
+            "topology": disaggregated(
+                prefill={"replicas": 2}, decode={"replicas": 5}, router={"replicas": 3}
+            ),
+        }
+    )
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments(split)}
+    assert replicas == {"llm-prefill": 2, "llm-decode": 5, "llm-router": 3}
+    default_router = render_spec({"model": model(), "topology": disaggregated()})
+    assert find(default_router, "Deployment", "llm-router")["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-gpu-uri-auth"])
+def test_every_object_is_owned_by_the_resource(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for obj in rendered.objects:
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "tidegate.dev/v1alpha1",
+                "kind": "LLMDeployment",
+                "name": "llm",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-gpu-uri-auth"])
+def test_no_owner_references_without_a_uid(case: str) -> None:
+    """`tidegate plan` renders a resource no cluster has seen."""
+    rendered = render_spec(TABLE[case], uid=None)
+    assert all("ownerReferences" not in obj["metadata"] for obj in rendered.objects)
+
+
+@pytest.mark.parametrize(
+    ("case", "components"),
+    [
+        ("unified-cpu-hostpath", {"config", "unified"}),
+        ("disaggregated-gpu-uri-auth", {"config", "prefill", "decode", "router"}),
+    ],
+)
+def test_every_object_and_pod_carries_the_standard_labels(case: str, components: set) -> None:
+    rendered = render_spec(TABLE[case])
+    labelled = [obj["metadata"] for obj in rendered.objects]
+    labelled += [d["spec"]["template"]["metadata"] for d in deployments(rendered)]
+    for meta in labelled:
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "tidegate"
+        assert labels["app.kubernetes.io/instance"] == "llm"
+        assert labels["app.kubernetes.io/part-of"] == "tidegate"
+        assert labels["app.kubernetes.io/managed-by"] == "tidegate-operator"
+        assert labels["app.kubernetes.io/component"] in components
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-gpu-uri-auth"])
+def test_deployment_selector_is_a_stable_subset_of_the_pod_labels(case: str) -> None:
+    """A Deployment's selector is immutable: it must hold no label the operator may change."""
+    for deployment in deployments(render_spec(TABLE[case])):
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items()
+        assert set(selector) == {
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/component",
+        }
+
+
+def test_selectors_of_two_resources_do_not_overlap() -> None:
+    """Two LLMDeployments in one namespace never select each other's pods."""
+    one = deployments(render_spec({"model": model()}, name="one"))[0]
+    two = deployments(render_spec({"model": model()}, name="two"))[0]
+    one_selector = one["spec"]["selector"]["matchLabels"].items()
+    assert not one_selector <= two["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_objects_live_in_the_resource_namespace_or_default() -> None:
+    placed = render_spec({"model": model(), "topology": disaggregated()}, namespace="team-a")
+    assert {obj["metadata"]["namespace"] for obj in placed.objects} == {"team-a"}
+    unplaced = render_spec({"model": model()}, namespace=None)
+    assert {obj["metadata"]["namespace"] for obj in unplaced.objects} == {"default"}
+
+
+# --- the config files the pods run -----------------------------------------------------------
+
+SERVE_FLAGS = {
+    name.replace("_", "-") for model in (EngineArgs, ServerArgs) for name in model.model_fields
+}
+ROUTER_FLAGS = {name.replace("_", "-") for name in RouterArgs.model_fields}
+CONFIG_CASES = ["unified-cpu-hostpath", "eight-gpus-70b", "disaggregated-gpu-uri-auth"]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_config_keys_are_flags_of_tidegate_serve(case: str, tmp_path: Path) -> None:
+    rendered = render_spec(TABLE[case])
+    for role in rendered.tuning.roles:
+        flags = role_config(rendered, role)
+        assert set(flags) <= SERVE_FLAGS
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(config_map(rendered)["data"][f"{role}.yaml"], encoding="utf-8")
+        values = load_config_file(str(path), [EngineArgs, ServerArgs])
+        # The values, not only the names, are what the engine accepts.
+        EngineArgs(**{k: v for k, v in values.items() if k in EngineArgs.model_fields})
+        ServerArgs(**{k: v for k, v in values.items() if k in ServerArgs.model_fields})
+
+
+def test_config_map_holds_one_file_per_pool() -> None:
+    unified = render_spec({"model": model()})
+    assert set(config_map(unified)["data"]) == {"unified.yaml"}
+    split = render_spec({"model": model(), "topology": disaggregated()})
+    assert set(config_map(split)["data"]) == {"prefill.yaml", "decode.yaml", "router.yaml"}
+
+
+@pytest.mark.parametrize("case", [*CONFIG_CASES, "user-set-chunks", "amd-gpus"])
+def test_config_holds_the_tuned_values(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for role, tuning in rendered.tuning.roles.items():
+        flags = role_config(rendered, role)
+        tuned = {name.replace("_", "-"): value for name, value in tuning.engine_args().items()}
+        assert {flag: flags[flag] for flag in tuned} == tuned
+
+
+def test_each_tuned_flag_is_commented_with_its_reason() -> None:
+    rendered = render_spec(TABLE["eight-gpus-70b"])
+    lines = config_map(rendered)["data"]["unified.yaml"].splitlines()
+    tuning = rendered.tuning.roles["unified"]
+    for field, choice in {
+        "tensor-parallel-size": tuning.tensor_parallel_size,
+        "data-parallel-size-local": tuning.data_parallel_size_local,
+        "max-num-batched-tokens": tuning.max_num_batched_tokens,
+        "long-prefill-token-threshold": tuning.long_prefill_token_threshold,
+    }.items():
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(f"{field}:")]
+        assert lines[at - 1] == f"# {choice.reason}"
+
+
+def test_config_carries_the_model_and_scheduling_of_the_spec() -> None:
+    spec = TABLE["user-set-chunks"] | {"model": model(maxModelLen=4096, dtype="bfloat16")}
+    flags = role_config(render_spec(spec), "unified")
+    assert flags["model"] == "/model"
+    assert flags["served-model-name"] == ["tiny-llama"]
+    assert flags["port"] == 8000
+    assert flags["device"] == "cuda"
+    assert flags["dtype"] == "bfloat16"
+    assert flags["max-model-len"] == 4096
+    assert flags["max-num-seqs"] == 64
+    assert flags["block-size"] == 32
+    assert flags["enable-prefix-caching"] is False
+    assert role_config(render_spec({"model": model()}), "unified")["device"] == "cpu"
+
+
+def test_max_model_len_is_left_to_the_model_when_not_given() -> None:
+    assert "max-model-len" not in role_config(render_spec({"model": model()}), "unified")
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.text(min_size=1, max_size=80))
+def test_any_served_model_name_survives_the_config_file(name: str) -> None:
+    rendered = render_spec({"model": {**model(), "name": name}})
+    assert role_config(rendered, "unified")["served-model-name"] == [name]
+
+
+def test_kv_role_is_producer_on_prefill_consumer_on_decode_none_on_unified() -> None:
+    split = render_spec({"model": model(), "topology": disaggregated()})
+    assert role_config(split, "prefill")["kv-role"] == "producer"
+    assert role_config(split, "decode")["kv-role"] == "consumer"
+    unified = role_config(render_spec({"model": model()}), "unified")
+    assert unified.get("kv-role", EngineArgs.model_fields["kv_role"].default) == "none"
+
+
+def test_prefill_pods_expose_the_kv_transport_port() -> None:
+    split = render_spec({"model": model(), "topology": disaggregated()})
+    kv_port = EngineArgs.model_fields["kv_port"].default
+    prefill_ports = main_container(find(split, "Deployment", "llm-prefill"))["ports"]
+    assert {"name": "kv", "containerPort": kv_port} in prefill_ports
+
+
+def test_router_config_names_the_prefill_and_decode_services(tmp_path: Path) -> None:
+    rendered = render_spec({"model": model(), "topology": disaggregated()}, namespace="team-a")
+    path = tmp_path / "router.yaml"
+    path.write_text(config_map(rendered)["data"]["router.yaml"], encoding="utf-8")
+    values = load_config_file(str(path), [RouterArgs])
+    assert set(yaml.safe_load(path.read_text())) <= ROUTER_FLAGS
+    assert values["prefill"] == ["http://llm-prefill.team-a.svc:8000"]
+    assert values["decode"] == ["http://llm-decode.team-a.svc:8000"]
+    RouterArgs(**values)
+    for role in ("prefill", "decode"):
+        service = find(rendered, "Service", f"llm-{role}")
+        assert service["spec"]["ports"][0]["port"] == 8000
+
+
+# --- the pods ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-cpu"])
+def test_engine_pods_run_tidegate_serve_on_their_role_config(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    cm_name = config_map(rendered)["metadata"]["name"]
+    for role in rendered.tuning.roles:
+        deployment = find(rendered, "Deployment", "llm" if role == "unified" else f"llm-{role}")
+        container = main_container(deployment)
+        assert container["command"] == ["tidegate"]
+        assert container["args"] == ["serve", "--config", f"/etc/tidegate/{role}.yaml"]
+        assert mount(container, "/etc/tidegate")["readOnly"] is True
+        config = volume(deployment, mount(container, "/etc/tidegate")["name"])
+        assert config["configMap"]["name"] == cm_name
+
+
+@pytest.mark.parametrize(
+    ("spec", "per_pod"),
+    [
+        ({"model": model(parameterCount=7 * TINY), "accelerator": gpus(1)}, 1),
+        (TABLE["eight-gpus-70b"], 8),
+        (TABLE["amd-gpus"], 8),
+        (
+            {
+                "model": model(parameterCount=7 * TINY),
+                "accelerator": gpus(8),
+                "parallelism": {"tensorParallelSize": 2, "dataParallelSizeLocal": 3},
+            },
+            6,
+        ),
+    ],
+    ids=["one-gpu", "eight-gpus-70b", "amd-tp2", "tp2-dp3-of-8"],
+)
+def test_accelerators_requested_are_tp_times_dp(spec: dict[str, Any], per_pod: int) -> None:
+    rendered = render_spec(spec)
+    resource_name = spec["accelerator"].get("resource", "nvidia.com/gpu")
+    tuning = rendered.tuning.roles["unified"]
+    assert tuning.accelerators_per_pod() == per_pod
+    resources = main_container(find(rendered, "Deployment", "llm"))["resources"]
+    assert resources["limits"][resource_name] == str(per_pod)
+    assert resources["requests"][resource_name] == str(per_pod)
+
+
+def test_each_pool_requests_its_own_accelerators() -> None:
+    rendered = render_spec(TABLE["disaggregated-gpu-uri-auth"])
+    limits = {
+        role: main_container(find(rendered, "Deployment", f"llm-{role}"))["resources"]["limits"]
+        for role in ("prefill", "decode")
+    }
+    assert limits == {"prefill": {"nvidia.com/gpu": "4"}, "decode": {"nvidia.com/gpu": "4"}}
+    router = main_container(find(rendered, "Deployment", "llm-router"))["resources"]
+    assert "nvidia.com/gpu" not in router.get("limits", {})
+
+
+def test_cpu_pods_take_cpu_and_memory_from_the_spec() -> None:
+    rendered = render_spec(TABLE["cpu-with-resources"])
+    resources = main_container(find(rendered, "Deployment", "llm"))["resources"]
+    assert resources == {
+        "requests": {"cpu": "1500m", "memory": "6Gi"},
+        "limits": {"memory": "6Gi"},
+    }
+    bare = main_container(find(render_spec({"model": model()}), "Deployment", "llm"))
+    assert "resources" not in bare
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-gpu-uri-auth"])
+def test_dev_shm_is_a_memory_backed_empty_dir(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for role in rendered.tuning.roles:
+        deployment = find(rendered, "Deployment", "llm" if role == "unified" else f"llm-{role}")
+        shm = volume(deployment, mount(main_container(deployment), "/dev/shm")["name"])
+        assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def model_volume_and_mount(rendered: Rendered) -> tuple[dict[str, Any], dict[str, Any]]:
+    deployment = find(rendered, "Deployment", "llm")
+    model_mount = mount(main_container(deployment), "/model")
+    return volume(deployment, model_mount["name"]), model_mount
+
+
+def test_pvc_model_is_mounted_read_only_at_its_path() -> None:
+    rendered = render_spec(TABLE["pvc-with-path"])
+    model_volume, model_mount = model_volume_and_mount(rendered)
+    assert model_volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert model_mount["readOnly"] is True
+    assert model_mount["subPath"] == "llama/3b"  # relative: the API refuses absolute subPaths
+
+
+def test_pvc_model_without_path_mounts_the_volume_root() -> None:
+    rendered = render_spec(TABLE["pvc-without-path"])
+    model_volume, model_mount = model_volume_and_mount(rendered)
+    assert model_volume["persistentVolumeClaim"]["claimName"] == "models"
+    assert model_mount["readOnly"] is True
+    assert "subPath" not in model_mount
+
+
+def test_host_path_model_is_a_read_only_directory() -> None:
+    rendered = render_spec({"model": model({"hostPath": {"path": "/srv/models/llama"}})})
+    model_volume, model_mount = model_volume_and_mount(rendered)
+    assert model_volume["hostPath"] == {"path": "/srv/models/llama", "type": "Directory"}
+    assert model_mount["readOnly"] is True
+    assert "initContainers" not in pod_spec(find(rendered, "Deployment", "llm"))
+
+
+HOSTILE_URI = "https://models.example/a b.tar?x=1&y='2';rm -rf / #$(id)"
+
+
+def test_uri_model_is_fetched_by_an_init_container_without_a_shell() -> None:
+    rendered = render_spec({"model": model({"uri": HOSTILE_URI}, parameterCount=TINY)})
+    deployment = find(rendered, "Deployment", "llm")
+    (init,) = pod_spec(deployment)["initContainers"]
+    assert init["command"] == ["tidegate"]
+    assert init["args"] == ["fetch-model", HOSTILE_URI, "/model"]
+    model_volume, model_mount = model_volume_and_mount(rendered)
+    assert "emptyDir" in model_volume
+    assert model_mount["readOnly"] is True
+    fetch_mount = mount(init, "/model")
+    assert fetch_mount["name"] == model_mount["name"]
+    assert not fetch_mount.get("readOnly")
+    assert env_named(init, "TIDEGATE_API_KEY") is None  # the fetch needs no API key
+
+
+def test_uri_model_volume_holds_the_archive_and_the_extracted_folder() -> None:
+    params = 8 * TINY
+    rendered = render_spec({"model": model({"uri": "https://h/m.tar"}, parameterCount=params)})
+    model_volume, _ = model_volume_and_mount(rendered)
+    limit = model_volume["emptyDir"].get("sizeLimit")
+    weights = params * 2
+    assert limit is None or int(limit.removesuffix("Gi")) * 2**30 >= 2 * weights
+
+
+def test_uri_model_volume_is_unbounded_when_the_model_size_is_unknown() -> None:
+    rendered = render_spec({"model": model({"uri": "https://h/m.tar"})})
+    model_volume, _ = model_volume_and_mount(rendered)
+    assert "sizeLimit" not in model_volume["emptyDir"]
+
+
+@pytest.mark.parametrize("case", TABLE)
+def test_no_container_runs_a_shell(case: str) -> None:
+    for container in all_containers(render_spec(TABLE[case])):
+        words = [*container.get("command", []), *container.get("args", [])]
+        assert not SHELLS & set(words), f"{container['name']} runs a shell: {words}"
+        assert container["command"] == ["tidegate"]
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-cpu"])
+def test_pods_are_probed_on_health(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for deployment in deployments(rendered):
+        container = main_container(deployment)
+        probes = ["readinessProbe", "livenessProbe"]
+        if container["name"] == "engine":
+            probes.append("startupProbe")
+        for probe in probes:
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+
+
+def startup_window_s(spec: dict[str, Any]) -> int:
+    probe = main_container(find(render_spec(spec), "Deployment", "llm"))["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def test_startup_probe_allows_longer_for_a_bigger_model() -> None:
+    unknown = startup_window_s({"model": model()})
+    small = startup_window_s({"model": model(parameterCount=TINY)})
+    large = startup_window_s(TABLE["eight-gpus-70b"])
+    assert unknown >= 300  # a model of unknown size still gets minutes to load
+    assert small < large
+    # 141 GB of bf16 weights at a few hundred MB/s take minutes, not seconds.
+    assert large >= 600
+
+
+def test_rollout_deadline_outlasts_the_startup_probe() -> None:
+    """A rollout is not marked failed while its new pod may still be loading weights."""
+    rendered = render_spec(TABLE["eight-gpus-70b"])
+    deployment = find(rendered, "Deployment", "llm")
+    probe = main_container(deployment)["startupProbe"]
+    window = probe["periodSeconds"] * probe["failureThreshold"]
+    assert deployment["spec"]["progressDeadlineSeconds"] > window
+
+
+def test_rollout_never_drops_below_the_desired_capacity() -> None:
+    rendered = render_spec(TABLE["disaggregated-cpu"])
+    for deployment in deployments(rendered):
+        strategy = deployment["spec"]["strategy"]
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize(
+    ("case", "count"),
+    # disaggregated: engine, engine, router, and the fetch-model of each engine pod
+    [("unified-cpu-hostpath", 1), ("disaggregated-gpu-uri-auth", 5)],
+)
+def test_containers_run_as_non_root_without_privileges(case: str, count: int) -> None:
+    rendered = render_spec(TABLE[case])
+    for deployment in deployments(rendered):
+        pod = pod_spec(deployment)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+    containers = all_containers(rendered)
+    assert len(containers) == count
+    for container in containers:
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert context["readOnlyRootFilesystem"] is True
+        # With a read-only root, /tmp is the one scratch place: it must be a volume.
+        assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+
+
+@pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-cpu"])
+def test_termination_grace_outlasts_the_shutdown_timeout(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for role in rendered.tuning.roles:
+        deployment = find(rendered, "Deployment", "llm" if role == "unified" else f"llm-{role}")
+        drain = role_config(rendered, role)["shutdown-timeout"]
+        assert pod_spec(deployment)["terminationGracePeriodSeconds"] > drain
+
+
+@pytest.mark.parametrize("case", ["auth-secret", "disaggregated-gpu-uri-auth"])
+def test_api_key_comes_only_from_its_secret(case: str) -> None:
+    rendered = render_spec(TABLE[case])
+    for container in all_containers(rendered):
+        if container["name"] == "fetch-model":
+            continue
+        assert env_named(container, "TIDEGATE_API_KEY") == {
+            "name": "TIDEGATE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "secret-value"}},
+        }
+        assert not any("api-key" in arg or "api_key" in arg for arg in container["args"])
+    for text in config_map(rendered)["data"].values():
+        assert "api-key" not in yaml.safe_load(text)
+        assert "llm-key" not in text and "secret-value" not in text
+
+
+def test_no_api_key_without_auth() -> None:
+    for container in all_containers(render_spec(TABLE["disaggregated-cpu"])):
+        assert env_named(container, "TIDEGATE_API_KEY") is None
+
+
+def test_caches_go_to_the_writable_tmp_volume() -> None:
+    for container in all_containers(render_spec(TABLE["disaggregated-cpu"])):
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert env_named(container, "HOME") == {"name": "HOME", "value": "/tmp"}
+        assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def env_named(container: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((e for e in container.get("env", []) if e["name"] == name), None)
+
+
+def test_image_and_pull_policy_come_from_the_spec() -> None:
+    rendered = render_spec(TABLE["disaggregated-gpu-uri-auth"] | {"image": "r.example/tg:2"})
+    for container in all_containers(rendered):
+        assert container["image"] == "r.example/tg:2"
+        assert container["imagePullPolicy"] == "IfNotPresent"
+
+
+def test_image_defaults_to_the_operators_and_pull_policy_to_the_clusters() -> None:
+    default = all_containers(render_spec({"model": model()}))
+    assert [c["image"] for c in default] == [DEFAULT_ENGINE_IMAGE]
+    assert "imagePullPolicy" not in default[0]
+    mirrored = render(resource({"model": model()}), RenderOptions(default_image="mirror/tg:1"))
+    assert [c["image"] for c in all_containers(mirrored)] == ["mirror/tg:1"]
+
+
+# --- when pods roll ---------------------------------------------------------------------------
+
+
+def hashes(spec: dict[str, Any]) -> dict[str, str]:
+    return {d["metadata"]["name"]: spec_hash(d) for d in deployments(render_spec(spec))}
+
+
+SIZED = {"model": model(parameterCount=7 * TINY), "accelerator": gpus(1)}
+SPLIT = {"model": model(), "topology": disaggregated()}
+
+
+def test_changing_the_image_rolls_every_pool() -> None:
+    before, after = hashes(SPLIT), hashes(SPLIT | {"image": "r.example/tg:2"})
+    assert before.keys() == after.keys()
+    assert all(before[name] != after[name] for name in before)
+
+
+def test_changing_the_slo_rolls_the_pods_when_the_model_size_is_known() -> None:
+    slower = SIZED | {"scheduling": {"slo": {"itlMs": 100}}}
+    assert render_spec(SIZED).tuning != render_spec(slower).tuning
+    assert hashes(SIZED) != hashes(slower)
+
+
+def test_changing_max_num_seqs_rolls_the_pods() -> None:
+    assert hashes(SIZED) != hashes(SIZED | {"scheduling": {"maxNumSeqs": 32}})
+
+
+def test_changing_only_replicas_rolls_nothing() -> None:
+    assert hashes({"model": model()}) == hashes(
+        {"model": model(), "topology": {"unified": {"replicas": 7}}}
+    )
+    scaled = SPLIT | {
+        "topology": disaggregated(
+            prefill={"replicas": 4}, decode={"replicas": 0}, router={"replicas": 2}
+        )
+    }
+    assert hashes(SPLIT) == hashes(scaled)
+
+
+def test_changing_one_pool_rolls_only_that_pool() -> None:
+    split = SIZED | {"topology": disaggregated()}
+    tuned = SIZED | {"topology": disaggregated(decode={"maxNumBatchedTokens": 1024})}
+    before, after = hashes(split), hashes(tuned)
+    assert before["llm-decode"] != after["llm-decode"]
+    assert before["llm-prefill"] == after["llm-prefill"]
+    assert before["llm-router"] == after["llm-router"]
+
+
+@pytest.mark.parametrize("case", list(TABLE))
+def test_rendering_is_deterministic_and_leaves_the_resource_alone(case: str) -> None:
+    original = resource(TABLE[case])
+    kept = copy.deepcopy(original)
+    first, second = render(original), render(copy.deepcopy(original))
+    assert json.dumps(first.objects) == json.dumps(second.objects)
+    assert first.endpoint == second.endpoint
+    assert original == kept
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"model": {"name": "m", "source": {}}}, "spec.model.source"),
+        (
+            {"model": model({"uri": "https://h/m.tar", "hostPath": {"path": "/m"}})},
+            "spec.model.source",
+        ),
+        ({"model": model({"uri": "s3://bucket/m.tar"})}, "spec.model.source.uri"),
+        (
+            {"model": model(), "topology": {"unified": {"replicas": -1}}},
+            "spec.topology.unified.replicas",
+        ),
+        ({"model": model(), "topology": {"mode": "disaggregated"}}, "spec.topology"),
+        ({"model": model(), "modle": {}}, "spec.modle"),
+        ({"model": model(), "service": {"port": 0}}, "spec.service.port"),
+        ({"model": model(), "resources": {"memory": "4 GB"}}, "spec.resources.memory"),
+    ],
+    ids=[
+        "no-source",
+        "two-sources",
+        "bad-uri",
+        "negative-replicas",
+        "no-pools",
+        "typo",
+        "port-0",
+        "memory",
+    ],
+)
+def test_an_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(field)):
+        render_spec(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            {"model": model(), "parallelism": {"tensorParallelSize": 2}},
+            "spec.parallelism.tensorParallelSize",
+        ),
+        (
+            {
+                "model": model(parameterCount=TINY),
+                "accelerator": gpus(2),
+                "parallelism": {"tensorParallelSize": 4},
+            },
+            "accelerator.count",
+        ),
+        (
+            {"model": model(parameterCount=400 * TINY), "accelerator": gpus(2)},
+            "accelerator.memoryGiB",
+        ),
+        (
+            {
+                "model": model(parameterCount=TINY),
+                "accelerator": gpus(4),
+                "topology": disaggregated(
+                    prefill={"tensorParallelSize": 4}, decode={"tensorParallelSize": 2}
+                ),
+            },
+            "spec.topology.prefill/decode.tensorParallelSize",
+        ),
+    ],
+    ids=["tp-on-cpu", "tp-above-count", "weights-do-not-fit", "prefill-wider-than-decode"],
+)
+def test_a_refused_tuning_is_refused_naming_the_field(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(TuningError, match=re.escape(field)):
+        render_spec(spec)
+
+
+@pytest.mark.parametrize("name", ["llama.3", "a" * 60], ids=["dotted", "too-long"])
+def test_a_name_no_service_can_take_is_refused(name: str) -> None:
+    with pytest.raises(SpecError, match=re.escape("metadata.name")):
+        render_spec({"model": model(), "topology": disaggregated()}, name=name)
+
+
+# --- the endpoint -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", [{}, disaggregated()], ids=["unified", "disaggregated"])
+def test_endpoint_is_the_public_service_url(topology: dict[str, Any]) -> None:
+    rendered = render_spec({"model": model(), "topology": topology}, name="chat", namespace="ml")
+    assert rendered.endpoint == "http://chat.ml.svc:8000/v1"
+    service = find(rendered, "Service", "chat")
+    assert service["spec"]["ports"][0]["port"] == 8000
+
+
+def test_endpoint_follows_the_service_port_and_default_namespace() -> None:
+    rendered = render_spec({"model": model(), "service": {"port": 443}}, namespace=None)
+    assert rendered.endpoint == "http://llm.default.svc:443/v1"

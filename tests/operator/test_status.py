@@ -1,0 +1,150 @@
+"""Status from children: every rollout situation a user can meet, without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tidegate.operator.status import compute_status, merge_patch, role_state
+
+NOW, LATER = "2026-11-29T10:00:00Z", "2026-11-29T11:00:00Z"
+
+
+def deployment(
+    *, generation: int = 2, observed: int = 2, replicas: int, updated: int, available: int
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": updated,
+            "availableReplicas": available,
+        },
+    }
+
+
+def status_of(
+    *roles: Any, error: tuple[str, str] | None = None, previous: Any = None, now: str = NOW
+) -> dict[str, Any]:
+    return compute_status(
+        generation=3,
+        roles=list(roles),
+        effective={"roles": {}, "reasons": []},
+        endpoint="http://x.default.svc:8000/v1",
+        error=error,
+        previous=previous or {},
+        now=now,
+    )
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+@pytest.mark.parametrize(
+    ("live", "ready", "phase", "message"),
+    [
+        (deployment(replicas=2, updated=2, available=2), True, "Ready", None),
+        (None, False, "Progressing", "waiting for the Deployment controller"),
+        (
+            deployment(observed=1, replicas=2, updated=2, available=2),
+            False,
+            "Progressing",
+            "waiting for the Deployment controller",
+        ),
+        (
+            deployment(replicas=2, updated=1, available=1),
+            False,
+            "Progressing",
+            "0 of 2 pods run the current spec, 1 old pod still serving",
+        ),
+        (
+            deployment(replicas=3, updated=1, available=3),
+            False,
+            "Progressing",
+            "1 of 2 pods run the current spec, 2 old pods still serving",
+        ),
+        (
+            deployment(replicas=3, updated=2, available=3),
+            False,
+            "Progressing",
+            "2 of 2 pods run the current spec, 1 old pod still serving",
+        ),
+        (
+            deployment(replicas=2, updated=2, available=1),
+            False,
+            "Progressing",
+            "1 of 2 pods run the current spec",
+        ),
+    ],
+    ids=[
+        "done",
+        "not-created",
+        "generation-not-seen",
+        "surge-started",
+        "one-new-two-old",
+        "all-new-one-old-left",
+        "new-pod-not-ready",
+    ],
+)
+def test_ready_only_when_every_pod_runs_the_current_spec(
+    live: Any, ready: bool, phase: str, message: str | None
+) -> None:
+    status = status_of(role_state("unified", 2, live))
+    assert status["phase"] == phase
+    assert conditions(status)["Ready"]["status"] == ("True" if ready else "False")
+    assert conditions(status)["Progressing"]["status"] == ("False" if ready else "True")
+    if message:
+        assert message in conditions(status)["Ready"]["message"]
+
+
+def test_one_role_behind_keeps_the_whole_resource_not_ready() -> None:
+    status = status_of(
+        role_state("prefill", 1, deployment(replicas=1, updated=1, available=1)),
+        role_state("decode", 2, deployment(replicas=2, updated=1, available=2)),
+        role_state("router", 1, deployment(replicas=1, updated=1, available=1)),
+    )
+    assert conditions(status)["Ready"]["status"] == "False"
+    assert conditions(status)["Ready"]["message"].startswith("decode:")
+    assert status["ready"] == "3/4"
+    assert status["replicas"]["decode"] == {"desired": 2, "ready": 1, "updated": 1}
+
+
+def test_an_error_is_degraded_and_says_why() -> None:
+    status = status_of(
+        role_state("unified", 1, deployment(replicas=1, updated=1, available=1)),
+        error=("TuningRefused", "tensorParallelSize 16 needs 16 accelerators"),
+    )
+    assert status["phase"] == "Degraded"
+    degraded = conditions(status)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "TuningRefused")
+    assert conditions(status)["Ready"]["message"] == "tensorParallelSize 16 needs 16 accelerators"
+
+
+def test_scaled_to_zero_is_not_ready() -> None:
+    status = status_of(role_state("unified", 0, deployment(replicas=0, updated=0, available=0)))
+    assert conditions(status)["Ready"]["reason"] == "ScaledToZero"
+    assert status["phase"] == "Pending"
+
+
+def test_transition_times_move_only_when_a_condition_flips() -> None:
+    done = role_state("unified", 1, deployment(replicas=1, updated=1, available=1))
+    first = status_of(done)
+    again = status_of(done, previous=first, now=LATER)
+    assert again == first  # nothing changed: nothing to write
+    assert merge_patch(first, again) == {}
+    rolling = role_state("unified", 1, deployment(replicas=2, updated=1, available=1))
+    moved = status_of(rolling, previous=first, now=LATER)
+    assert conditions(moved)["Ready"]["lastTransitionTime"] == LATER
+    assert conditions(moved)["Degraded"]["lastTransitionTime"] == NOW  # still False
+
+
+def test_merge_patch_removes_what_is_gone_and_keeps_what_is_equal() -> None:
+    old = {"effective": {"roles": {"unified": {"a": 1}}}, "phase": "Ready", "endpoint": "e"}
+    new = {"effective": {"roles": {"prefill": {"a": 1}}}, "phase": "Ready"}
+    assert merge_patch(old, new) == {
+        "effective": {"roles": {"unified": None, "prefill": {"a": 1}}},
+        "endpoint": None,
+    }
