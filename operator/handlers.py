@@ -67,10 +67,15 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         configure(settings)
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In a pod: the service account; elsewhere: KUBECONFIG or ~/.kube/config. kopf calls
+        # this again when the credentials expire; our client follows.
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
         if info is not None:
-            state.kube = Kube(info)
+            if state.kube is None:
+                state.kube = Kube(info)
+            else:
+                state.kube.update(info)
         return info
 
     @kopf.on.cleanup(registry=registry)

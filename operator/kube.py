@@ -6,6 +6,7 @@ its children and writes the parent's status, with the credentials kopf logged in
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,6 +14,8 @@ import aiohttp
 import kopf
 
 FIELD_MANAGER = "tidegate-operator"
+# How long a replaced connection stays open for the calls already using it.
+_OLD_SESSION_GRACE_S = 60.0
 
 # kind -> (API path prefix, plural) for every kind the operator reads or writes.
 _KINDS: dict[tuple[str, str], str] = {
@@ -58,6 +61,14 @@ class Kube:
             )
         return self._session
 
+    def update(self, info: kopf.ConnectionInfo) -> None:
+        """New credentials: later calls use them; calls in flight finish on the old connection."""
+        self._info = info
+        old, self._session = self._session, None
+        if old is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(_OLD_SESSION_GRACE_S, lambda: loop.create_task(old.close()))
+
     async def close(self) -> None:
         """Release the connection pool."""
         if self._session is not None:
@@ -74,19 +85,23 @@ class Kube:
     ) -> dict[str, Any] | None:
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        async with self._client().request(
-            method, path.lstrip("/"), data=data, headers=headers, params=params
-        ) as response:
-            text = await response.text()
-            if response.status == 404 and method == "GET":
-                return None
-            if response.status >= 400:
-                try:
-                    message = json.loads(text).get("message", text)
-                except ValueError:
-                    message = text
-                raise KubeError(response.status, message)
-            return json.loads(text) if text else {}
+        try:
+            async with self._client().request(
+                method, path.lstrip("/"), data=data, headers=headers, params=params
+            ) as response:
+                status, text = response.status, await response.text()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            # Unreachable or cut off: the same to the caller as a 503, a reason to retry.
+            raise KubeError(503, f"{method} {path}: {error!r}") from error
+        if status == 404 and method == "GET":
+            return None
+        if status >= 400:
+            try:
+                message = json.loads(text).get("message", text)
+            except ValueError:
+                message = text
+            raise KubeError(status, message)
+        return json.loads(text) if text else {}
 
     async def get(
         self, api_version: str, kind: str, namespace: str, name: str
