@@ -41,7 +41,9 @@ def pod_config(model: str, name: str, directory: Path) -> Path:
         "apiVersion": "tidegate.dev/v1alpha1",
         "kind": "LLMDeployment",
         "metadata": {"name": "demo", "namespace": "default"},
-        "spec": {"model": {"name": name, "source": {"hostPath": {"path": str(Path(model))}}}},
+        "spec": {
+            "model": {"name": name, "source": {"hostPath": {"path": str(Path(model).resolve())}}}
+        },
     }
     config_map = next(o for o in render(resource).objects if o["kind"] == "ConfigMap")
     path = directory / "unified.yaml"
