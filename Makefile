@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test demo lint format bench bench-throughput bench-startup bench-prefill-stall \
-	bench-shared-prefix bench-peers clean
+	bench-shared-prefix bench-attention bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-prefill-stall: $(STAMP)
 
 bench-shared-prefix: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
+
+# CUDA only: the Triton attention kernel against SDPA (correctness first, then timings).
+bench-attention: $(STAMP)
+	$(BIN)/python benchmarks/attention.py --check --out benchmarks/results/attention.json
 
 # Every scenario that needs no peer engine; each writes benchmarks/results/ and the README table.
 bench: bench-prefill-stall bench-shared-prefix bench-throughput bench-startup

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
@@ -24,7 +27,21 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
-    if name == "triton":
-        raise ValueError("attention backend 'triton' is not available yet; use 'torch' (or 'auto')")
-    # "auto" will pick triton on CUDA once it exists; until then torch runs everywhere.
-    return TorchAttentionBackend()
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention backend 'triton' needs a CUDA device (the model is on {device.type}); "
+            "use 'torch', or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
+        )
+    if not _triton_importable():
+        raise ValueError("attention backend 'triton' needs the triton package: pip install triton")
+    from tidegate.engine.attention.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None

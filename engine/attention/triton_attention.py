@@ -4,16 +4,17 @@
 — in one kernel launch, reading K/V straight from the paged cache through the block table.
 Each program owns a tile of up to BLOCK_Q consecutive new tokens of one sequence and *all*
 the query heads that share one KV head, so every K/V tile is loaded once per KV head (GQA,
-MQA) and fed to the tensor cores as a `[BLOCK_M, TILE_N]` matrix product, with
-BLOCK_M = BLOCK_Q * query heads per KV head. The softmax is online (running max and sum in
-fp32, exp2 with the scale folded in).
+MQA) and fed to the tensor cores as a `[BLOCK_M, TILE_N]` matrix product, with BLOCK_M =
+BLOCK_Q * query heads per KV head (rounded up to a power of two). The softmax is online
+(running max and sum in fp32, exp2 with the scale folded in).
 
 Decode batches of a few long sequences leave most SMs idle with one program per (sequence,
 KV head); for them the keys are split into NUM_SEGMENTS segments, each program writes a
 partial (max, sum, accumulator) and a second kernel merges them (split-KV, "flash-decoding").
 
 `reshape_and_cache` writes the new tokens' K/V into their cache slots. On CPU the kernels
-run under `TRITON_INTERPRET=1`, which is how the tests exercise them.
+run under `TRITON_INTERPRET=1`, which is how the tests exercise them; the interpreter cannot
+do bf16 arithmetic, so there bf16 tiles are widened to fp32 on load (P still rounded to bf16).
 """
 
 from __future__ import annotations
@@ -119,12 +120,8 @@ def unified_attention(
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
-    # tl.dot needs at least 16 rows; decodes need no more, prefill chunks amortize K/V loads
-    # over more query rows. Wide heads halve the tiles to keep the fp32 accumulator in registers.
-    rows = 16 if max_query_len == 1 else (64 if head_pad <= 128 else 32)
-    block_m = max(rows, group_pad)
+    block_m, tile_n, num_warps = _tiles(max_query_len, head_pad, group_pad, q.dtype)
     block_q = block_m // group_pad
-    tile_n = 64 if head_pad <= 128 else 32
     # Sequence i owns q blocks [qsl[i] // BLOCK_Q + i, ...): an upper bound needing no sync.
     num_q_blocks = num_tokens // block_q + num_seqs
     num_segments = NUM_SEGMENTS if split_kv else 1
@@ -176,6 +173,7 @@ def unified_attention(
         SLIDING=bool(sliding_window),
         UPCAST=interpreted and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
     )
     if split_kv:
         _reduce_segments_kernel[(num_tokens, num_heads)](
@@ -193,6 +191,22 @@ def unified_attention(
         )
 
 
+def _tiles(
+    max_query_len: int, head_pad: int, group_pad: int, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, TILE_N keys, warps) of one attention program.
+
+    tl.dot needs at least 16 rows; decodes need no more, prefill chunks amortize each K/V tile
+    over more rows. Chosen by compiling for sm_90 and reading register use, not yet by timing:
+    64-key tiles spill registers, as do 64 rows on 4 warps; with these, bf16/fp16 builds spill
+    at most a few bytes. fp32 (exact "ieee" dots) is correct but untuned and spills.
+    """
+    rows = 16 if max_query_len == 1 else (64 if head_pad <= 128 else 32)
+    block_m = max(rows, group_pad)
+    num_warps = 8 if block_m >= 64 or dtype == torch.float32 else 4
+    return block_m, 32, num_warps
+
+
 def use_split_kv(
     max_query_len: int,
     max_seq_len: int,
@@ -204,8 +218,9 @@ def use_split_kv(
 
     Only decode-only batches (every query length 1) whose one-program-per-(sequence, KV head)
     grid would not even give each SM one program, and whose longest sequence gives each of
-    the NUM_SEGMENTS segments at least 64 keys (below that the extra reduce launch and the
-    partial results cost more than the idle SMs).
+    the NUM_SEGMENTS segments at least 64 keys, so that the partial results and the reduce
+    launch are small next to the key reads they parallelize. The thresholds are a starting
+    guess; benchmarks/attention.py times both paths on few long decodes.
     """
     if max_query_len != 1:
         return False

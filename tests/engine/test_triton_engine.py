@@ -1,0 +1,33 @@
+"""The whole engine with the Triton attention backend (interpreted on CPU) equals torch's."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+from tidegate.engine import LLM, SamplingParams
+
+
+def test_greedy_output_is_token_identical_to_the_torch_backend(tiny_llama_dir):
+    shared = "The tide gate opens at dawn and closes at dusk, every day of the year, " * 2
+    prompts = [
+        shared + "while the keeper sleeps",  # long: prefilled in chunks
+        shared + "and the boats wait",  # the same prefix: cached blocks, context > 0
+        "Hi",
+        [5, 17, 99, 3, 250, 61, 7],
+    ]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    # A small step budget: prompts are chunked and decodes share steps with prefill chunks.
+    common = dict(dtype="float32", max_num_batched_tokens=40, long_prefill_token_threshold=24)
+    reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    triton_llm = LLM(model=str(tiny_llama_dir), attention_backend="triton", **common)
+    assert triton_llm.engine.executor.worker.runner.attn_backend.name == "triton"
+    got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
+    assert got == expected
+    assert triton_llm.stats()["prefix_cache_hits"] > 0
