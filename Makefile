@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# checkov pins versions (packaging, jsonschema, ...) that clash with ours: its own venv.
+CHECKOV := .cache/tools/checkov/bin/checkov
+$(CHECKOV):
+	$(PYTHON) -m venv .cache/tools/checkov
+	.cache/tools/checkov/bin/pip install --quiet checkov==3.3.30
+
+test: $(STAMP) $(CHECKOV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
@@ -66,3 +72,19 @@ bench-peers: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+
+# The three images (images/*.Dockerfile), built from the repository root. Needs a running
+# Docker daemon; CI here has none and does not call this target.
+IMAGE_REPO ?= ghcr.io/tidegate
+IMAGE_TAG ?= 0.1.0
+IMAGE_ARGS = --build-arg VERSION=$(IMAGE_TAG) \
+	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown)
+.PHONY: images
+images:
+	@if ! docker info >/dev/null 2>&1; then \
+		echo "make images needs Docker (docker info failed: no client or no daemon); nothing built" >&2; \
+		exit 1; \
+	fi
+	docker build $(IMAGE_ARGS) -f images/engine.Dockerfile -t $(IMAGE_REPO)/engine:$(IMAGE_TAG) .
+	docker build $(IMAGE_ARGS) -f images/engine-cpu.Dockerfile -t $(IMAGE_REPO)/engine-cpu:$(IMAGE_TAG) .
+	docker build $(IMAGE_ARGS) -f images/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .

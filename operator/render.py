@@ -36,6 +36,10 @@ MANAGED_BY = "tidegate-operator"
 SHUTDOWN_TIMEOUT_S = 30
 # ... and the kubelet must wait longer than that before it sends SIGKILL.
 TERMINATION_GRACE_S = SHUTDOWN_TIMEOUT_S + 15
+# The engine images' user: above 10000, so that it is no user of the node.
+RUN_AS_UID = 10001
+# Requests of an engine container whose spec gives no resources (accelerator pools usually).
+DEFAULT_ENGINE_REQUESTS = {"cpu": "2", "memory": "8Gi"}
 # A model loads at no less than this rate from a volume (conservative for network disks).
 LOAD_BYTES_PER_S = 200e6
 # Child names are <name>-prefill and the like: Service names, so DNS-1035 labels.
@@ -371,9 +375,9 @@ class _Context:
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
             "securityContext": {
                 "runAsNonRoot": True,
-                "runAsUser": 1000,
-                "runAsGroup": 1000,
-                "fsGroup": 1000,
+                "runAsUser": RUN_AS_UID,
+                "runAsGroup": RUN_AS_UID,
+                "fsGroup": RUN_AS_UID,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             "containers": [container],
@@ -393,6 +397,9 @@ class _Context:
             requests[accelerator.resource] = count
             limits[accelerator.resource] = count
         resources = self.spec.resources
+        if resources is None:
+            # No memory limit is guessed: one too small OOM-kills a pod while it loads weights.
+            requests.update(DEFAULT_ENGINE_REQUESTS)
         if resources is not None and resources.cpu:
             requests["cpu"] = resources.cpu
         if resources is not None and resources.memory:
@@ -471,6 +478,11 @@ class _Context:
         init = self.container("fetch-model", ["fetch-model", source.uri, MODEL_DIR])
         init["name"] = "fetch-model"
         del init["ports"]
+        # It streams the archive to disk in 1 MiB pieces: little CPU, bounded memory.
+        init["resources"] = {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        }
         init["volumeMounts"] = [
             {"name": "model", "mountPath": MODEL_DIR},
             {"name": "tmp", "mountPath": "/tmp"},

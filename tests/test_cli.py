@@ -93,3 +93,12 @@ def test_engine_shapes_this_build_cannot_run_are_refused_before_anything_starts(
         except SystemExit as exit:  # pragma: no cover - argparse errors
             code = exit.code
         assert code == 2
+
+
+def test_every_subcommand_has_working_help():
+    from tidegate.engine.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name, sub in subcommands.items():
+        assert sub.format_help(), name  # formatting raises on a stray % in a help text

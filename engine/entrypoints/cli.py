@@ -33,7 +33,9 @@ def add_engine_args(
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         default = defaults.get(name, field.default)
-        kwargs: dict[str, Any] = {"help": field.description, "dest": name}
+        # argparse formats help with %: a literal one ("90% of") must be doubled.
+        help_text = (field.description or "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"help": help_text, "dest": name}
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = default

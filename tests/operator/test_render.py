@@ -692,7 +692,8 @@ def test_cpu_pods_take_cpu_and_memory_from_the_spec() -> None:
         "limits": {"memory": "6Gi"},
     }
     bare = main_container(find(render_spec({"model": model()}), "Deployment", "llm"))
-    assert "resources" not in bare
+    # Without spec.resources: default requests, and no guessed memory limit.
+    assert bare["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}}
 
 
 @pytest.mark.parametrize("case", ["unified-cpu-hostpath", "disaggregated-gpu-uri-auth"])

@@ -1,0 +1,130 @@
+{{/* Names and labels shared by every template. */}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "tidegate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Prefix of object names: <release>-<chart>, or the release name when it holds the chart name. */}}
+{{- define "tidegate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels that pick the operator pod. The component "operator" keeps them apart from engine
+pods, which the operator labels app.kubernetes.io/name=tidegate as well.
+*/}}
+{{- define "tidegate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tidegate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* Labels on every object of the chart. */}}
+{{- define "tidegate.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tidegate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: tidegate
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The ServiceAccount the operator runs as. */}}
+{{- define "tidegate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tidegate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: repository:tag, or repository@digest when a digest is given. */}}
+{{- define "tidegate.image" -}}
+{{- $image := .Values.image }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The label the operator puts on every object it creates (operator/render.py, MANAGED_BY):
+the monitors select engine Services and pods by it.
+*/}}
+{{- define "tidegate.engineManagedBy" -}}
+tidegate-operator
+{{- end }}
+
+{{/*
+RBAC rules for one namespace the operator serves: what its kopf handlers and its API client
+(operator/kube.py) touch. tests/charts/test_chart.py derives the same list from the
+operator's code and compares.
+*/}}
+{{- define "tidegate.namespacedRules" -}}
+# The resource itself: kopf lists and watches it, and patches it (finalizers); the
+# handlers read it afresh before each reconcile.
+- apiGroups: ["tidegate.dev"]
+  resources: ["llmdeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+# Status: conditions, phase and endpoint from the handlers, kopf's bookkeeping (status.kopf).
+- apiGroups: ["tidegate.dev"]
+  resources: ["llmdeployments/status"]
+  verbs: ["patch"]
+# The children: created, server-side applied, deleted when stale, watched to notice drift.
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# kopf posts warnings and errors about a resource as core/v1 Events.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/* Cluster-scoped RBAC rules: kopf's discovery of CRDs (and of namespaces when it serves named ones). */}}
+{{- define "tidegate.clusterRules" -}}
+# kopf watches CRDs to notice when LLMDeployment is installed, upgraded or removed.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.watchNamespaces }}
+# Serving named namespaces, kopf watches Namespaces to start and stop serving them as they
+# come and go.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end }}
+
+{{/* Where the monitors look for engines: the namespaces the operator serves. */}}
+{{- define "tidegate.monitoredNamespaces" -}}
+{{- if .Values.watchNamespaces }}
+matchNames:
+  {{- toYaml .Values.watchNamespaces | nindent 2 }}
+{{- else }}
+any: true
+{{- end }}
+{{- end }}
+
+{{/* Series carry the LLMDeployment and the role (unified, prefill, decode, router) they come from. */}}
+{{- define "tidegate.engineRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance]
+  targetLabel: llmdeployment
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  targetLabel: role
+{{- end }}
