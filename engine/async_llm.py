@@ -79,6 +79,7 @@ class AsyncLLM:
         """Check the model folder here, start the engine core, and wait until it serves."""
         args.check_supported()
         model_config = ModelConfig.from_pretrained(args.model)
+        model_config.check_tensor_parallel(args.tensor_parallel_size)
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
         tokenizer = Tokenizer(args.tokenizer or args.model)
         client = EngineCoreClient(args, max_waiting_requests=max_waiting_requests)

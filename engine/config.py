@@ -58,7 +58,10 @@ class EngineArgs(BaseModel):
         "auto", description="Attention kernels: triton on CUDA, torch on CPU when auto."
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Worker processes that each hold one shard of the model."
+        1,
+        ge=1,
+        description="Worker processes that each hold one shard of the model; must divide the "
+        "number of attention heads.",
     )
     data_parallel_size_local: int = Field(
         1, ge=1, description="Engine cores in this server, each with its own KV cache."
@@ -71,7 +74,10 @@ class EngineArgs(BaseModel):
     kv_port: int = Field(14579, ge=1, le=65535, description="Port of the KV-block transport.")
     seed: int = Field(0, ge=0, description="Seed for requests that give none.")
     num_threads: int | None = Field(
-        None, ge=1, description="torch threads on CPU; defaults to all cores."
+        None,
+        ge=1,
+        description="torch threads per worker on CPU; defaults to the cores divided by "
+        "tensor_parallel_size.",
     )
 
     def step_token_capacity(self, max_model_len: int) -> int:
@@ -83,15 +89,14 @@ class EngineArgs(BaseModel):
     def check_supported(self) -> None:
         """Refuse, before anything starts, the shapes this build of the engine cannot run yet."""
         unsupported = {
-            "tensor_parallel_size": self.tensor_parallel_size != 1,
             "data_parallel_size_local": self.data_parallel_size_local != 1,
             "kv_role": self.kv_role != "none",
         }
         named = [name for name, refused in unsupported.items() if refused]
         if named:
             raise ValueError(
-                f"{', '.join(named)}: this engine build runs one worker, one engine core and no "
-                "KV transfer; the defaults (1, 1, none) are the values it accepts"
+                f"{', '.join(named)}: this engine build runs one engine core and no KV "
+                "transfer; the defaults (1, none) are the values it accepts"
             )
 
     @model_validator(mode="after")

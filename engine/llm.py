@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         self.engine = EngineCore(self.args)
+        # Worker processes (tensor_parallel_size > 1) stop on close(), when this object is
+        # collected, or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = Tokenizer(self.args.tokenizer or self.args.model)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
@@ -32,6 +36,16 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the worker processes, if any; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

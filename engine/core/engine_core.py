@@ -49,6 +49,17 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
     )
 
 
+def default_executor_class(args: EngineArgs) -> type[Executor]:
+    """One worker runs in this process; tensor-parallel ranks run in worker processes."""
+    if args.tensor_parallel_size > 1:
+        from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    from tidegate.engine.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+
+
 class EngineCore:
     """One engine instance: add requests, abort them, and step."""
 
@@ -56,12 +67,11 @@ class EngineCore:
         args.check_supported()
         self.args = args
         model_config = ModelConfig.from_pretrained(args.model)
+        model_config.check_tensor_parallel(args.tensor_parallel_size)
         self.max_model_len = resolve_max_model_len(args, model_config)
         self.model_config = model_config
         if executor_class is None:
-            from tidegate.engine.executor.uniproc_executor import UniProcExecutor
-
-            executor_class = UniProcExecutor
+            executor_class = default_executor_class(args)
         self.executor = executor_class(args, model_config, self.max_model_len)
         try:
             num_blocks = self.executor.num_kv_blocks()

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import socket
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -35,14 +36,23 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 5.0
 
 
+def free_init_method() -> str:
+    """A tcp:// rendezvous address for torch.distributed on a port that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
 class MultiprocExecutor(Executor):
     """Starts one worker process per tensor-parallel rank and steps them together."""
 
-    world_size = 1
     title_prefix = "tidegate::"
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
         super().__init__(args, model_config, max_model_len)
+        self.world_size = args.tensor_parallel_size
+        # Where the ranks meet to form their torch.distributed group (unused for one rank).
+        init_method = free_init_method() if self.world_size > 1 else ""
         ctx = multiprocessing.get_context("spawn")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerReply)
@@ -54,7 +64,15 @@ class MultiprocExecutor(Executor):
             ours, theirs = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=run_worker,
-                args=(args, max_model_len, rank, self._queue.handle, theirs, self.title_prefix),
+                args=(
+                    args,
+                    max_model_len,
+                    rank,
+                    self._queue.handle,
+                    theirs,
+                    self.title_prefix,
+                    init_method,
+                ),
                 name=f"{self.title_prefix}worker_tp{rank}",
                 daemon=True,
             )
@@ -127,6 +145,11 @@ class MultiprocExecutor(Executor):
         if all(process.exitcode is None for process in self.workers):
             with contextlib.suppress(EngineDeadError, OSError):
                 self._broadcast(ShutdownWorker())
+        else:
+            # A rank died: the others may be blocked in a collective that will never finish.
+            for process in self.workers:
+                if process.exitcode is None:
+                    process.kill()
         for process in self.workers:
             process.join(timeout=_SHUTDOWN_GRACE_S)
             if process.exitcode is None:

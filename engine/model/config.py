@@ -44,6 +44,23 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Refuse a tensor-parallel size this model's shapes cannot be split by."""
+        kv = self.num_key_value_heads
+        problems = []
+        if self.num_attention_heads % size:
+            problems.append(f"{self.num_attention_heads} attention heads")
+        if kv % size and size % kv:
+            problems.append(f"{kv} key/value heads (nor is it a multiple of them)")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate size {self.intermediate_size:,}")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide this model's "
+                f"{' and '.join(problems)}; choose a size that divides the number of "
+                f"attention heads ({self.num_attention_heads})"
+            )
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (and eos ids from generation_config.json) in a model folder."""

@@ -8,11 +8,11 @@ from torch import nn
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.layers import (
-    Linear,
     LMHead,
     MergedLinear,
     QKVLinear,
     RMSNorm,
+    RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
 )
@@ -28,15 +28,22 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.qkv_bias,
         )
+        # This rank's heads: all of them, or its share under tensor parallelism.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.qkv_sizes = list(self.qkv_proj.output_sizes.values())
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
+        )
         self.rotary = rotary  # one cos/sin cache shared by all layers
         self.backend = backend
 
@@ -70,7 +77,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {"gate": size, "up": size}, config.mlp_bias
         )
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block."""

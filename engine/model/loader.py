@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -62,8 +63,12 @@ def load_model(
     return model.eval(), config
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly."""
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]]) -> None:
+    """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly.
+
+    A tensor may also be a lazy safetensors slice: each layer's loader reads only the rows
+    or columns its tensor-parallel rank keeps.
+    """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     expected = {_shard_key(name, shard) for name, shard in _expected_shards(model)}
     loaded: set[str] = set()
@@ -78,7 +83,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
             unexpected.append(hf_name)
             continue
         with torch.no_grad():
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            param.weight_loader(param, tensor, shard)  # copy_ converts the dtype
         loaded.add(_shard_key(name, shard))
     missing = sorted(expected - loaded)
     if unexpected or missing:
@@ -109,8 +114,8 @@ def _shard_key(name: str, shard: str | None) -> str:
     return name if shard is None else f"{name}[{shard}]"
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) from every shard, in the order the index (or the file names) gives."""
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) from every file, in the order the index (or the file names) gives."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -124,4 +129,4 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(model_dir / file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)

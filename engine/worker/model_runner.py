@@ -10,6 +10,7 @@ import torch
 from tidegate.engine.attention import get_attention_backend
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
@@ -51,6 +52,8 @@ class ModelRunner:
             args.model, self.dtype, device, self.attn_backend, config=model_config
         )
         self.sampler = Sampler()
+        # Key/value heads this rank caches: all, its share, or one replicated head.
+        self.num_kv_heads = kv_head_shard(model_config.num_key_value_heads)[1]
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
@@ -68,13 +71,13 @@ class ModelRunner:
         """Bytes one block takes across all layers, keys and values."""
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        per_layer = 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem
         return per_layer * cfg.num_hidden_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged caches: per layer, keys and values [blocks, block, heads, dim]."""
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_caches = [
             (
@@ -130,16 +133,28 @@ class ModelRunner:
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
             rows = [states[i] for i in step.sampling_rows]
-            output = self._sample(logits, rows)
-            tokens = output.sampled_token_ids.tolist()
+            output, tokens = self._sample_on_rank_0(logits, rows)
             for row, state, token in zip(step.sampling_rows, rows, tokens, strict=True):
                 state.append(token)
                 sampled[row] = [token]
-            if output.logprobs is not None:
+            if output is not None and output.logprobs is not None:
                 logprobs = self._logprobs_lists(output, rows)
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_on_rank_0(
+        self, logits: torch.Tensor, rows: list[CachedRequestState]
+    ) -> tuple[SamplerOutput | None, list[int]]:
+        """Rank 0 samples and sends its tokens to the other ranks, so that all append the same
+        tokens and stay in lockstep (no rank depends on its own random state)."""
+        output = None
+        if get_tp_rank() == 0:
+            output = self._sample(logits, rows)
+            tokens = output.sampled_token_ids.to(logits.device, torch.int64)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        return output, broadcast(tokens).tolist()
 
     def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
         generators = {i: s.generator for i, s in enumerate(rows) if s.generator is not None}

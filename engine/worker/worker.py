@@ -9,6 +9,7 @@ import torch
 
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.worker.model_runner import ModelRunner
 
@@ -31,13 +32,29 @@ class Worker:
     """Loads the model onto its device, sizes the KV cache, and executes scheduled steps."""
 
     def __init__(
-        self, args: EngineArgs, model_config: ModelConfig, max_model_len: int, rank: int = 0
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        max_model_len: int,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
     ) -> None:
         self.args = args
         self.rank = rank
+        world_size = args.tensor_parallel_size
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and world_size > 1:
+            if torch.cuda.device_count() < world_size:
+                raise ValueError(
+                    f"tensor_parallel_size {world_size} needs {world_size} CUDA devices; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+            # The ranks share the machine's cores.
+            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
 
     def describe(self) -> str:
@@ -60,3 +77,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group."""
+        destroy_tensor_parallel()

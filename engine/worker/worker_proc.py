@@ -32,6 +32,7 @@ def run_worker(
     commands: ShmQueueHandle,
     replies: Connection,
     title_prefix: str,
+    distributed_init_method: str,
 ) -> None:
     """Process entry point: load the shard, report readiness, then serve commands until told."""
     become_child_process(f"{title_prefix}worker_tp{rank}")
@@ -46,7 +47,8 @@ def run_worker(
         from tidegate.engine.model.config import ModelConfig
         from tidegate.engine.worker.worker import Worker
 
-        worker = Worker(args, ModelConfig.from_pretrained(args.model), max_model_len, rank)
+        model_config = ModelConfig.from_pretrained(args.model)
+        worker = Worker(args, model_config, max_model_len, rank, distributed_init_method)
         reader = ShmBroadcastReader(commands, rank)
         reply(WorkerReady(rank=rank, num_kv_blocks=worker.num_kv_blocks()))
         while True:
@@ -60,6 +62,7 @@ def run_worker(
             elif isinstance(command, ShutdownWorker):
                 break
         reader.close()
+        worker.shutdown()
     except Exception:
         message = traceback.format_exc()
         logger.error("worker %d failed:\n%s", rank, message)
