@@ -87,7 +87,7 @@ def test_serve_config_file_with_an_unknown_flag_is_refused(tmp_path):
 def test_engine_shapes_this_build_cannot_run_are_refused_before_anything_starts(tmp_path):
     from tidegate.engine.entrypoints.cli import main
 
-    for flag, value in [("--tensor-parallel-size", "2"), ("--kv-role", "producer")]:
+    for flag, value in [("--data-parallel-size-local", "2"), ("--kv-role", "producer")]:
         try:
             code = main(["generate", "--model", str(tmp_path), "--prompt", "x", flag, value])
         except SystemExit as exit:  # pragma: no cover - argparse errors

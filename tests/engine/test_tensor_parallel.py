@@ -1,0 +1,121 @@
+"""Tensor parallelism on CPU (gloo): two worker processes give the tokens one worker gives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.server import ServerProcess
+from tidegate.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# Longer than the step budget below, so its prefill is computed in chunks.
+LONG_PROMPT = "The tide comes in and the tide goes out, " * 12
+PROMPTS = ["Hello, my name is", LONG_PROMPT, [5, 6, 7, 8, 9] * 20]
+ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 64, "num_gpu_blocks": 128}
+
+
+def _generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list[list[int]], float]:
+    """Token ids of every prompt, twice (the second pass hits the prefix cache), and hits."""
+    with LLM(str(model_dir), tensor_parallel_size=tensor_parallel_size, **ENGINE) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        hits_before = llm.stats()["prefix_cache_hits"]
+        second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        hits = llm.stats()["prefix_cache_hits"] - hits_before
+    assert first == second
+    return first, hits
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_two_ranks_generate_the_tokens_of_one(model, request):
+    model_dir = request.getfixturevalue(model)
+    one, hits_one = _generate(model_dir, 1)
+    two, hits_two = _generate(model_dir, 2)
+    assert two == one
+    assert hits_two == hits_one > 0
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .* 4 attention"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, **ENGINE)
+
+
+def test_serve_refuses_a_size_that_does_not_divide_the_heads(tiny_llama_dir, tmp_path):
+    server = ServerProcess(tiny_llama_dir, tmp_path, "--tensor-parallel-size", "3")
+    try:
+        assert server.wait_exit(timeout=60) != 0
+        assert "tensor_parallel_size 3 does not divide" in server.log()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def tp_server(tiny_llama_dir, tmp_path):
+    server = ServerProcess(
+        tiny_llama_dir, tmp_path, "--tensor-parallel-size", "2", "--max-model-len", "512"
+    ).wait_healthy()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_serve_with_two_ranks_answers_as_one_rank_does(tp_server, tiny_llama_dir):
+    assert {"tidegate::worker_tp0", "tidegate::worker_tp1"} <= set(tp_server.children())
+    with LLM(str(tiny_llama_dir), **ENGINE) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS[:2], GREEDY)]
+    for prompt, text in zip(PROMPTS[:2], expected, strict=True):
+        response = httpx.post(
+            f"{tp_server.base_url}/v1/completions",
+            json={
+                "model": str(tiny_llama_dir),
+                "prompt": prompt,
+                "max_tokens": GREEDY.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == text
+
+
+def test_killing_one_rank_takes_the_server_down(tp_server, tiny_llama_dir):
+    children = tp_server.children()
+    victim = children["tidegate::worker_tp1"]
+    others = [p for title, p in children.items() if title != "tidegate::worker_tp1"]
+
+    async def stream_until_killed() -> list[dict]:
+        async with httpx.AsyncClient(base_url=tp_server.base_url, timeout=30) as client:
+            body = {
+                "model": str(tiny_llama_dir),
+                "prompt": "The tide comes in and",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                events = []
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[len("data: ") :]))
+                        if len(events) == 1:  # producing tokens: now kill one rank
+                            victim.send_signal(signal.SIGKILL)
+                return events
+
+    killed_at = time.monotonic()
+    events = asyncio.run(stream_until_killed())
+    assert "error" in events[-1], events[-1]
+    code = tp_server.wait_exit(timeout=15)
+    assert time.monotonic() - killed_at < 15
+    assert code != 0
+    _, alive = psutil.wait_procs(others, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
