@@ -1,7 +1,8 @@
 """The serving API: submit a request, stream its outputs, from an asyncio program.
 
 Tokenization, validation and detokenization happen here, in the API server process; the
-scheduler and the model run in an EngineCore process reached through `EngineCoreClient`.
+scheduler and the model run in EngineCore processes (one per data-parallel rank), each
+reached through its own `EngineCoreClient`; a `DataParallelRouter` picks one per request.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.block_hash import extend_block_hashes
 from tidegate.engine.core.engine_core import resolve_max_model_len
-from tidegate.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tidegate.engine.core.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from tidegate.engine.core.request import Request
 from tidegate.engine.core_client import EngineCoreClient
+from tidegate.engine.data_parallel import DataParallelRouter
 from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.metrics import PrometheusMetrics
@@ -34,6 +37,7 @@ class _Stream:
 
     num_prompt_tokens: int
     arrival_time: float
+    engine_index: int
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     first_token_time: float | None = None
     last_token_time: float = 0.0
@@ -42,20 +46,24 @@ class _Stream:
 
 
 class AsyncLLM:
-    """Streams RequestOutput deltas for requests served by an engine core process."""
+    """Streams RequestOutput deltas for requests served by engine core processes."""
 
     def __init__(
         self,
         model_config: ModelConfig,
         tokenizer: Tokenizer,
-        client: EngineCoreClient,
+        clients: list[EngineCoreClient],
         max_model_len: int,
+        block_size: int,
+        router: DataParallelRouter,
         metrics: PrometheusMetrics | None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.client = client
+        self.clients = clients
         self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.router = router
         self.metrics = metrics
         self.input_processor = InputProcessor(
             tokenizer=tokenizer,
@@ -66,7 +74,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
         self._background: set[asyncio.Task] = set()
-        self._output_task: asyncio.Task | None = None
+        self._output_tasks: list[asyncio.Task] = []
         self.on_dead: Callable[[str], None] | None = None
 
     @classmethod
@@ -76,33 +84,62 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         metrics: PrometheusMetrics | None = None,
     ) -> AsyncLLM:
-        """Check the model folder here, start the engine core, and wait until it serves."""
+        """Check the model folder here, start the engine cores, and wait until all serve."""
         args.check_supported()
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
         tokenizer = Tokenizer(args.tokenizer or args.model)
-        client = EngineCoreClient(args, max_waiting_requests=max_waiting_requests)
+        clients = [
+            EngineCoreClient(args, engine_index=i, max_waiting_requests=max_waiting_requests)
+            for i in range(args.data_parallel_size_local)
+        ]
         holder: list[AsyncLLM] = []
+
+        def on_death(reason: str) -> None:
+            if holder:
+                holder[0]._fail_all(reason)
+
         try:
-            ready = await client.start(on_death=lambda reason: holder[0]._fail_all(reason))
-        except BaseException:
-            await client.shutdown()
+            # Every core finishes starting (or fails) before any is stopped.
+            started = await asyncio.gather(
+                *(client.start(on_death) for client in clients), return_exceptions=True
+            )
+            failure = next((r for r in started if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException:  # a failed start, or cancelled (stopped while starting)
+            await asyncio.gather(*(client.shutdown() for client in clients))
             raise
-        engine = cls(model_config, tokenizer, client, ready.max_model_len, metrics)
+        readies = [r for r in started if isinstance(r, EngineCoreReady)]
+        # Remember about as many prefix blocks per core as its KV cache holds.
+        router = DataParallelRouter(
+            len(clients), max_hashes_per_core=min(r.num_kv_blocks for r in readies)
+        )
+        max_model_len = min(r.max_model_len for r in readies)
+        engine = cls(
+            model_config, tokenizer, clients, max_model_len, args.block_size, router, metrics
+        )
         holder.append(engine)
-        engine._output_task = asyncio.create_task(engine._output_loop(), name="engine-outputs")
+        dead = next((c.dead_reason for c in clients if c.dead_reason is not None), None)
+        if dead is not None:
+            engine._fail_all(dead)
+        engine._output_tasks = [
+            asyncio.create_task(engine._output_loop(client), name=f"engine-outputs-{i}")
+            for i, client in enumerate(clients)
+        ]
         return engine
 
     # -- what the HTTP layer uses -----------------------------------------------------------
 
     @property
     def is_dead(self) -> bool:
-        return self.client.dead_reason is not None
+        return self.dead_reason is not None
 
     @property
     def dead_reason(self) -> str | None:
-        return self.client.dead_reason
+        """Why the first engine core to die died; None while all serve."""
+        return next((c.dead_reason for c in self.clients if c.dead_reason is not None), None)
 
     async def generate(
         self, request: Request, prompt: str | None = None
@@ -114,12 +151,17 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         request_id = request.request_id
-        stream = _Stream(num_prompt_tokens=request.num_prompt_tokens, arrival_time=time.monotonic())
+        stream = _Stream(
+            num_prompt_tokens=request.num_prompt_tokens,
+            arrival_time=time.monotonic(),
+            engine_index=self._route(request),
+        )
+        client = self.clients[stream.engine_index]
         self._streams[request_id] = stream
         self.output_processor.add_request(request, prompt, delta=True)
         finished = False
         try:
-            await self.client.add_request(
+            await client.add_request(
                 EngineCoreRequest(
                     request_id=request_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -143,7 +185,7 @@ class AsyncLLM:
             if not finished:
                 self.output_processor.abort(request_id)
                 self._record_finished(stream, "abort")
-                self._in_background(self.client.abort_requests([request_id]))
+                self._in_background(client.abort_requests([request_id]))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its iterator ends with finish_reason 'abort'."""
@@ -152,34 +194,52 @@ class AsyncLLM:
         if stream is not None and output is not None:
             stream.queue.put_nowait(output)
             self._record_finished(stream, "abort")
-        await self.client.abort_requests([request_id])
+        # A request this server no longer tracks may be anywhere: tell every core.
+        clients = [self.clients[stream.engine_index]] if stream is not None else self.clients
+        for client in clients:
+            await client.abort_requests([request_id])
 
     async def shutdown(self) -> None:
-        """Stop the engine core and its workers."""
-        if self._output_task is not None:
-            self._output_task.cancel()
-        await self.client.shutdown()
+        """Stop the engine cores and their workers."""
+        for task in self._output_tasks:
+            task.cancel()
+        await asyncio.gather(*(client.shutdown() for client in self.clients))
+
+    def _route(self, request: Request) -> int:
+        """The engine core for a request: by load, or by where its prefix blocks are."""
+        if self.router.num_cores == 1:
+            return 0
+        # The KV cache manager's own hashes (cache_salt included), so equal means cached.
+        extend_block_hashes(request, self.block_size)
+        return self.router.choose(request.block_hashes)
 
     # -- the output loop --------------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
-        """Route every engine output to its request's queue, and record metrics."""
+    async def _output_loop(self, client: EngineCoreClient) -> None:
+        """Route every output of one engine core to its request's queue, and record metrics."""
         while True:
-            outputs = await self.client.get_output()
+            outputs = await client.get_output()
             try:
                 self._handle_outputs(outputs)
             except Exception:
                 logger.exception("failed to process engine outputs")
-                self.client.mark_dead("the API server could not process engine outputs")
+                client.mark_dead("the API server could not process engine outputs")
                 return
 
     def _handle_outputs(self, batch: EngineCoreOutputs) -> None:
+        client = self.clients[batch.engine_index]
         if batch.engine_dead is not None:
-            self.client.mark_dead(f"the engine core failed: {batch.engine_dead}")
+            client.mark_dead(
+                f"engine core {batch.engine_index} failed: {batch.engine_dead}"
+                if len(self.clients) > 1
+                else f"the engine core failed: {batch.engine_dead}"
+            )
             return
         now = time.monotonic()
-        if batch.scheduler_stats is not None and self.metrics is not None:
-            self.metrics.record_scheduler_stats(batch.scheduler_stats)
+        if batch.scheduler_stats is not None:
+            self.router.record_stats(batch.engine_index, batch.scheduler_stats)
+            if self.metrics is not None:
+                self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.engine_index)
         for request_id in batch.rejected_request_ids:
             self.output_processor.abort(request_id)
             stream = self._streams.get(request_id)
@@ -187,7 +247,7 @@ class AsyncLLM:
                 stream.queue.put_nowait(
                     EngineOverloadedError(
                         "the server's waiting queue is full "
-                        f"(--max-waiting-requests {self.client.max_waiting_requests}); retry later"
+                        f"(--max-waiting-requests {client.max_waiting_requests}); retry later"
                     )
                 )
         for out in batch.outputs:
@@ -196,7 +256,7 @@ class AsyncLLM:
                 self._record_tokens(stream, len(out.new_token_ids), out.queue_time, now)
         request_outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stopped by a stop string, which only the API side sees
-            self._in_background(self.client.abort_requests(to_abort))
+            self._in_background(client.abort_requests(to_abort))
         for output in request_outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -215,14 +275,14 @@ class AsyncLLM:
         if stream.first_token_time is None:
             stream.first_token_time = now
             if self.metrics is not None:
-                self.metrics.record_first_token(now - stream.arrival_time)
-                self.metrics.record_tokens(stream.num_prompt_tokens, 0)
+                self.metrics.record_first_token(now - stream.arrival_time, stream.engine_index)
+                self.metrics.record_tokens(stream.num_prompt_tokens, 0, stream.engine_index)
         elif self.metrics is not None:
-            self.metrics.record_inter_token(now - stream.last_token_time)
+            self.metrics.record_inter_token(now - stream.last_token_time, stream.engine_index)
         stream.last_token_time = now
         stream.num_generation_tokens += num_new
         if self.metrics is not None:
-            self.metrics.record_tokens(0, num_new)
+            self.metrics.record_tokens(0, num_new, stream.engine_index)
 
     def _record_finished(self, stream: _Stream, reason: str, now: float | None = None) -> None:
         if self.metrics is None:
@@ -234,6 +294,7 @@ class AsyncLLM:
             queue_time_s=stream.queue_time,
             prompt_tokens=stream.num_prompt_tokens,
             generation_tokens=stream.num_generation_tokens,
+            engine=stream.engine_index,
         )
 
     def _fail_all(self, reason: str) -> None:

@@ -64,7 +64,10 @@ class EngineArgs(BaseModel):
         "number of attention heads.",
     )
     data_parallel_size_local: int = Field(
-        1, ge=1, description="Engine cores in this server, each with its own KV cache."
+        1,
+        ge=1,
+        description="Engine cores in this server, each with its own workers and KV cache; "
+        "the server routes each request to one (serving only).",
     )
     kv_role: Literal["none", "producer", "consumer"] = Field(
         "none",
@@ -77,7 +80,7 @@ class EngineArgs(BaseModel):
         None,
         ge=1,
         description="torch threads per worker on CPU; defaults to the cores divided by "
-        "tensor_parallel_size.",
+        "tensor_parallel_size times data_parallel_size_local.",
     )
 
     def step_token_capacity(self, max_model_len: int) -> int:
@@ -88,15 +91,10 @@ class EngineArgs(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, before anything starts, the shapes this build of the engine cannot run yet."""
-        unsupported = {
-            "data_parallel_size_local": self.data_parallel_size_local != 1,
-            "kv_role": self.kv_role != "none",
-        }
-        named = [name for name, refused in unsupported.items() if refused]
-        if named:
+        if self.kv_role != "none":
             raise ValueError(
-                f"{', '.join(named)}: this engine build runs one engine core and no KV "
-                "transfer; the defaults (1, none) are the values it accepts"
+                f"kv_role {self.kv_role!r}: this engine build does no KV transfer; "
+                "'none' is the value it accepts"
             )
 
     @model_validator(mode="after")

@@ -23,6 +23,12 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.args = EngineArgs(model=model, **engine_args)
+        if self.args.data_parallel_size_local != 1:
+            raise ValueError(
+                f"data_parallel_size_local {self.args.data_parallel_size_local}: the offline "
+                "LLM runs one engine core; data parallelism is a serving feature "
+                "(tidegate serve --data-parallel-size-local)"
+            )
         self.engine = EngineCore(self.args)
         # Worker processes (tensor_parallel_size > 1) stop on close(), when this object is
         # collected, or at interpreter exit, whichever comes first.

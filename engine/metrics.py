@@ -3,7 +3,8 @@
 With `compat="vllm"` every metric is also exported under its `vllm:` name, so Grafana
 dashboards, KEDA scalers and the Gateway API Inference Extension built for vLLM read Tidegate
 unchanged. Each metric is declared once in `METRICS` and created once per prefix; every series
-carries `model_name` and `engine` labels, as vLLM's do.
+carries `model_name` and `engine` labels, as vLLM's do. With data parallelism each engine core
+has its own series: its SchedulerStats, and the requests it served, under `engine="<index>"`.
 """
 
 from __future__ import annotations
@@ -108,86 +109,99 @@ _STATS_TOTALS = (
 
 
 class PrometheusMetrics:
-    """The metrics of one served model and engine, in their own registry."""
+    """The metrics of one served model and its engine cores, in their own registry."""
 
     def __init__(
-        self, model_name: str, compat: Literal["none", "vllm"] = "none", engine_index: int = 0
+        self,
+        model_name: str,
+        compat: Literal["none", "vllm"] = "none",
+        engine_index: int = 0,
+        num_engines: int = 1,
     ) -> None:
         if compat not in ("none", "vllm"):
             raise ValueError(f"compat is {compat!r}; allowed: 'none', 'vllm'")
         self.registry = CollectorRegistry()
         prefixes = ("tidegate:", "vllm:") if compat == "vllm" else ("tidegate:",)
-        self._base_labels = {"model_name": model_name, "engine": str(engine_index)}
+        self._model_name = model_name
+        self._default_engine = engine_index
         # Metric name -> the same metric under each prefix.
         self._families: dict[str, list[Any]] = {
             spec.name: [self._create(prefix, spec) for prefix in prefixes] for spec in METRICS
         }
         # (name, extra label values) -> labelled series under each prefix.
         self._series_cache: dict[tuple[str, ...], list[Any]] = {}
-        self._last_totals = dict.fromkeys(_STATS_TOTALS, 0)
+        # Engine index -> its SchedulerStats totals last seen.
+        self._last_totals: dict[int, dict[str, int]] = {}
         # Every series exists from the start, so dashboards and scalers read 0, not "no data".
-        for spec in METRICS:
-            if not spec.labels:
-                self._series(spec.name)
-        for reason in FINISH_REASONS:
-            self._series("request_success", finished_reason=reason)
+        for engine in range(engine_index, engine_index + num_engines):
+            for spec in METRICS:
+                if not spec.labels:
+                    self._series(spec.name, engine)
+            for reason in FINISH_REASONS:
+                self._series("request_success", engine, finished_reason=reason)
 
     def _create(self, prefix: str, spec: MetricSpec) -> Any:
         kwargs: dict[str, Any] = {"buckets": spec.buckets} if spec.buckets else {}
         return spec.kind(
             prefix + spec.name,
             spec.documentation,
-            labelnames=(*self._base_labels, *spec.labels),
+            labelnames=("model_name", "engine", *spec.labels),
             registry=self.registry,
             **kwargs,
         )
 
-    def _series(self, name: str, **labels: str) -> list[Any]:
-        key = (name, *labels.values())
+    def _series(self, name: str, engine: int | None = None, **labels: str) -> list[Any]:
+        engine = self._default_engine if engine is None else engine
+        key = (name, str(engine), *labels.values())
         series = self._series_cache.get(key)
         if series is None:
-            series = [m.labels(**self._base_labels, **labels) for m in self._families[name]]
+            base = {"model_name": self._model_name, "engine": str(engine)}
+            series = [m.labels(**base, **labels) for m in self._families[name]]
             self._series_cache[key] = series
         return series
 
-    def _set(self, name: str, value: float) -> None:
-        for series in self._series(name):
+    def _set(self, name: str, value: float, engine: int | None) -> None:
+        for series in self._series(name, engine):
             series.set(value)
 
-    def _inc(self, name: str, amount: float, **labels: str) -> None:
-        for series in self._series(name, **labels):
+    def _inc(self, name: str, amount: float, engine: int | None, **labels: str) -> None:
+        for series in self._series(name, engine, **labels):
             series.inc(amount)
 
-    def _observe(self, name: str, value: float) -> None:
-        for series in self._series(name):
+    def _observe(self, name: str, value: float, engine: int | None) -> None:
+        for series in self._series(name, engine):
             series.observe(value)
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """Set the gauges, advance counters by the growth of the engine's totals."""
-        self._set("num_requests_running", stats.num_running)
-        self._set("num_requests_waiting", stats.num_waiting)
-        self._set("kv_cache_usage_perc", stats.kv_cache_usage)
+    def record_scheduler_stats(self, stats: SchedulerStats, engine: int | None = None) -> None:
+        """Set one engine's gauges, advance its counters by the growth of its totals."""
+        engine = self._default_engine if engine is None else engine
+        self._set("num_requests_running", stats.num_running, engine)
+        self._set("num_requests_waiting", stats.num_waiting, engine)
+        self._set("kv_cache_usage_perc", stats.kv_cache_usage, engine)
+        last_totals = self._last_totals.setdefault(engine, dict.fromkeys(_STATS_TOTALS, 0))
         for name in _STATS_TOTALS:
             total = getattr(stats, name)
-            last = self._last_totals[name]
+            last = last_totals[name]
             # A total below the last one means the engine restarted and counts from 0 again.
-            self._inc(name, total - last if total >= last else total)
-            self._last_totals[name] = total
+            self._inc(name, total - last if total >= last else total, engine)
+            last_totals[name] = total
         if stats.num_batched_tokens > 0:
-            self._observe("iteration_tokens_total", stats.num_batched_tokens)
+            self._observe("iteration_tokens_total", stats.num_batched_tokens, engine)
 
-    def record_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+    def record_tokens(
+        self, prompt_tokens: int, generation_tokens: int, engine: int | None = None
+    ) -> None:
         """Count tokens prefilled and generated since the last call."""
-        self._inc("prompt_tokens", prompt_tokens)
-        self._inc("generation_tokens", generation_tokens)
+        self._inc("prompt_tokens", prompt_tokens, engine)
+        self._inc("generation_tokens", generation_tokens, engine)
 
-    def record_first_token(self, ttft_s: float) -> None:
+    def record_first_token(self, ttft_s: float, engine: int | None = None) -> None:
         """Observe one request's time to first token."""
-        self._observe("time_to_first_token_seconds", ttft_s)
+        self._observe("time_to_first_token_seconds", ttft_s, engine)
 
-    def record_inter_token(self, itl_s: float) -> None:
+    def record_inter_token(self, itl_s: float, engine: int | None = None) -> None:
         """Observe the time between two tokens of one request."""
-        self._observe("inter_token_latency_seconds", itl_s)
+        self._observe("inter_token_latency_seconds", itl_s, engine)
 
     def record_finished(
         self,
@@ -196,14 +210,15 @@ class PrometheusMetrics:
         queue_time_s: float | None,
         prompt_tokens: int,
         generation_tokens: int,
+        engine: int | None = None,
     ) -> None:
         """Count a finished request and observe its latency and sizes."""
-        self._inc("request_success", 1, finished_reason=finish_reason)
-        self._observe("e2e_request_latency_seconds", e2e_s)
+        self._inc("request_success", 1, engine, finished_reason=finish_reason)
+        self._observe("e2e_request_latency_seconds", e2e_s, engine)
         if queue_time_s is not None:
-            self._observe("request_queue_time_seconds", queue_time_s)
-        self._observe("request_prompt_tokens", prompt_tokens)
-        self._observe("request_generation_tokens", generation_tokens)
+            self._observe("request_queue_time_seconds", queue_time_s, engine)
+        self._observe("request_prompt_tokens", prompt_tokens, engine)
+        self._observe("request_generation_tokens", generation_tokens, engine)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics route."""

@@ -58,6 +58,8 @@ def run_engine_core(
     try:
         from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
 
+        if args.data_parallel_size_local > 1:
+            _use_own_devices(args, engine_index)
         engine = EngineCore(args, executor_class=MultiprocExecutor)
     except Exception as error:
         detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
@@ -216,6 +218,24 @@ class EngineCoreProc:
         multiprocessing.connection.wait(self.engine.executor.sentinels)
         if not self._shutting_down.is_set():
             self.input_queue.put(_WORKER_DIED)
+
+
+def _use_own_devices(args: EngineArgs, engine_index: int) -> None:
+    """On CUDA, give this engine core's workers (spawned later, they inherit it) their GPUs."""
+    import os
+
+    import torch
+
+    from tidegate.engine.data_parallel import devices_of_core
+    from tidegate.engine.worker.worker import resolve_device
+
+    if resolve_device(args.device).type != "cuda":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices_of_core(
+        engine_index, args.data_parallel_size_local, args.tensor_parallel_size, ids
+    )
 
 
 def _to_request(message: EngineCoreRequest) -> Request:

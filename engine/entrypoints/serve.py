@@ -1,4 +1,4 @@
-"""`tidegate serve`: the API server process, its engine core, and an orderly life cycle.
+"""`tidegate serve`: the API server process, its engine cores, and an orderly life cycle.
 
 Exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
 1 when the engine could not start or an engine process died (Kubernetes restarts the pod).
@@ -55,7 +55,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     started = time.monotonic()
     names = server_args.served_model_name or [engine_args.model]
-    metrics = PrometheusMetrics(names[0], compat=server_args.metrics_compat)
+    metrics = PrometheusMetrics(
+        names[0],
+        compat=server_args.metrics_compat,
+        num_engines=engine_args.data_parallel_size_local,
+    )
     # A Ctrl-C or SIGTERM while the model loads stops the start-up cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -52,8 +52,9 @@ class Worker:
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
-            # The ranks share the machine's cores.
-            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+            # The ranks of every engine core share the machine's cores.
+            ranks = world_size * args.data_parallel_size_local
+            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // ranks))
         init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
 
