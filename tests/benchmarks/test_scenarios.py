@@ -58,3 +58,20 @@ def test_offline_throughput_compares_tidegate_and_transformers(tmp_path):
     assert row["tidegate"]["output_tokens"] == row["transformers"]["output_tokens"] == 16
     assert (tmp_path / "offline_throughput.png").stat().st_size > 10_000
     assert "<!-- throughput-vs-peers -->" in readme.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "kind", "compared"),
+    [("tensor_parallel.py", "tp", "tokens"), ("data_parallel.py", "dp", "texts")],
+)
+def test_parallel_size_scenarios_time_and_compare_both_sizes(tmp_path, script, kind, compared):
+    command = [sys.executable, str(BENCHMARKS / script), "--smoke", "--out-dir", str(tmp_path)]
+    subprocess.run(command, check=True, timeout=300)
+    result = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+    assert set(result["results"]) == {f"{kind}=1", f"{kind}=2"}
+    first = result["results"][f"{kind}=1"]
+    assert first[f"{compared}_match_first_size"] is True and first["sequences_differing"] == 0
+    for run in result["results"].values():
+        assert run["output_tokens_per_s"] > 0 and run["startup_s"] > 0
+        assert len(run["all_output_tokens_per_s"]) == result["repeats"] == 1
