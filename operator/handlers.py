@@ -22,7 +22,7 @@ import kopf
 
 from tidegate.operator.kube import Kube, KubeError
 from tidegate.operator.reconcile import OWNED_KINDS, reconcile
-from tidegate.operator.render import MANAGED_BY, RenderOptions
+from tidegate.operator.render import MANAGED_BY, RenderOptions, owned_labels
 from tidegate.operator.spec import GROUP, PLURAL, VERSION
 
 
@@ -145,12 +145,10 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         namespace = meta.get("namespace", "default")
         if state.kube is None:
             return
-        labels = {
-            "app.kubernetes.io/instance": meta["name"],
-            "app.kubernetes.io/managed-by": MANAGED_BY,
-        }
         for api_version, kind in OWNED_KINDS:
-            for item in await state.kube.list(api_version, kind, namespace, labels):
+            for item in await state.kube.list(
+                api_version, kind, namespace, owned_labels(meta["name"])
+            ):
                 await state.kube.delete(api_version, kind, namespace, item["metadata"]["name"])
         logger.info(f"deleted the children of {meta['name']}")
 

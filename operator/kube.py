@@ -18,7 +18,7 @@ FIELD_MANAGER = "tidegate-operator"
 _OLD_SESSION_GRACE_S = 60.0
 
 # kind -> (API path prefix, plural) for every kind the operator reads or writes.
-_KINDS: dict[tuple[str, str], str] = {
+KINDS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
@@ -38,7 +38,7 @@ class KubeError(Exception):
 
 def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     """The REST path of a namespaced object, or of its collection when name is None."""
-    plural = _KINDS[(api_version, kind)]
+    plural = KINDS[(api_version, kind)]
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = f"{root}/namespaces/{namespace}/{plural}"
     return f"{path}/{name}" if name else path

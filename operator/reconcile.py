@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidegate.operator.kube import Kube, KubeError
-from tidegate.operator.render import MANAGED_BY, RenderOptions, render
+from tidegate.operator.render import RenderOptions, owned_labels, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
 from tidegate.operator.tuning import TuningError
@@ -163,7 +163,7 @@ async def _delete_stale(
 ) -> None:
     """Delete our children that the spec no longer asks for (e.g. after a mode change)."""
     wanted = {_key(obj) for obj in objects}
-    labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    labels = owned_labels(name)
     for api_version, kind in OWNED_KINDS:
         for item in await kube.list(api_version, kind, namespace, labels):
             if _key({"kind": kind, **item}) in wanted or not _owned_by(item, uid):
@@ -178,7 +178,7 @@ def _owned_by(item: Mapping[str, Any], uid: str | None) -> bool:
 
 
 async def _live_roles(kube: Kube, namespace: str, name: str) -> list[RoleState]:
-    labels = {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    labels = owned_labels(name)
     deployments = await kube.list("apps/v1", "Deployment", namespace, labels)
     return [
         role_state(

@@ -129,6 +129,11 @@ def child_labels(name: str, component: str) -> dict[str, str]:
     }
 
 
+def owned_labels(name: str) -> dict[str, str]:
+    """Labels that find every object the operator made for the resource `name`."""
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
 def _owner_reference(meta: dict[str, Any]) -> list[dict[str, Any]]:
     if not meta.get("uid"):  # `tidegate plan` renders a resource no cluster has seen
         return []

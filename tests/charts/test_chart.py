@@ -34,7 +34,7 @@ import yaml
 
 from tidegate.engine.entrypoints.cli import build_parser
 from tidegate.operator import handlers as operator_handlers
-from tidegate.operator.kube import _KINDS, Kube
+from tidegate.operator.kube import KINDS, Kube
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.reconcile import OWNED_KINDS
 from tidegate.operator.render import DEFAULT_ENGINE_IMAGE, MANAGED_BY, render
@@ -432,7 +432,7 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
 
     asyncio.run(story())
     rules = {_rule_of(method, p) for method, p in kube.requests}
-    for plural in {_KINDS[kind] for kind in OWNED_KINDS}:
+    for plural in {KINDS[kind] for kind in OWNED_KINDS}:
         verbs = {verb for _, resource, verb in rules if resource == plural}
         assert verbs == {"get", "list", "create", "patch", "delete"}, f"{plural}: {verbs}"
     return rules
@@ -447,7 +447,7 @@ def kopf_needs(namespaced: bool) -> set[Rule]:
         selector = handler.selector
         api = f"{selector.group}/{selector.version}" if selector.group else selector.version
         name = selector.any_name
-        (plural,) = {p for (a, kind), p in _KINDS.items() if a == api and name in (kind, p)}
+        (plural,) = {p for (a, kind), p in KINDS.items() if a == api and name in (kind, p)}
         # Every served resource is listed, then watched (kopf/_cogs/clients/watching.py).
         rules |= {(selector.group, plural, "list"), (selector.group, plural, "watch")}
         if handler in changing:

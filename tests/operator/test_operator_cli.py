@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from tests.operator.cluster import EmulatedCluster, wait_for
+from tidegate.engine.bench.local_server import free_port
 
 CLI = [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -64,12 +64,6 @@ def test_plan_refuses_a_bad_manifest_with_the_field_named(tmp_path: Path) -> Non
     result = tidegate("plan", "-f", str(manifest))
     assert result.returncode == 1
     assert "holds no LLMDeployment" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -19,8 +19,10 @@ from kopf.testing import KopfRunner
 
 from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
 from tidegate.operator.handlers import build_registry
+from tidegate.operator.kube import KINDS
 
 LLMD = "tidegate.dev/v1alpha1"
+API_VERSION_OF = {kind: api_version for api_version, kind in KINDS}
 # Every test module's operator logs here; settle() waits for it to go quiet.
 KOPF_LOG = KopfLog()
 NS = "default"
@@ -85,14 +87,7 @@ def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
 
 
 def get(cluster: EmulatedCluster, kind: str, name: str) -> dict[str, Any] | None:
-    api = {
-        "ConfigMap": "v1",
-        "Service": "v1",
-        "Deployment": "apps/v1",
-        "PodDisruptionBudget": "policy/v1",
-        "LLMDeployment": LLMD,
-    }[kind]
-    return cluster.get(api, kind, name)
+    return cluster.get(API_VERSION_OF[kind], kind, name)
 
 
 def status(cluster: EmulatedCluster, name: str) -> dict[str, Any]:
