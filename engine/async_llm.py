@@ -57,8 +57,10 @@ class AsyncLLM:
         block_size: int,
         router: DataParallelRouter,
         metrics: PrometheusMetrics | None,
+        kv_role: str = "none",
     ) -> None:
         self.model_config = model_config
+        self.kv_role = kv_role
         self.tokenizer = tokenizer
         self.clients = clients
         self.max_model_len = max_model_len
@@ -85,7 +87,6 @@ class AsyncLLM:
         metrics: PrometheusMetrics | None = None,
     ) -> AsyncLLM:
         """Check the model folder here, start the engine cores, and wait until all serve."""
-        args.check_supported()
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
@@ -118,7 +119,14 @@ class AsyncLLM:
         )
         max_model_len = min(r.max_model_len for r in readies)
         engine = cls(
-            model_config, tokenizer, clients, max_model_len, args.block_size, router, metrics
+            model_config,
+            tokenizer,
+            clients,
+            max_model_len,
+            args.block_size,
+            router,
+            metrics,
+            kv_role=args.kv_role,
         )
         holder.append(engine)
         dead = next((c.dead_reason for c in clients if c.dead_reason is not None), None)
@@ -169,6 +177,9 @@ class AsyncLLM:
                     eos_token_ids=sorted(request.eos_token_ids),
                     arrival_time=stream.arrival_time,
                     cache_salt=request.cache_salt,
+                    kv_transfer_params=(
+                        request.kv_transfer.model_dump() if request.kv_transfer else None
+                    ),
                 )
             )
             while True:

@@ -74,7 +74,28 @@ class EngineArgs(BaseModel):
         description="Disaggregated serving: producer computes prompts (prefill) and hands its KV "
         "blocks to a consumer (decode).",
     )
-    kv_port: int = Field(14579, ge=1, le=65535, description="Port of the KV-block transport.")
+    kv_connector: Literal["zmq"] = Field(
+        "zmq", description="KV transport between producer and consumer: zmq (TCP)."
+    )
+    kv_port: int = Field(
+        14579,
+        ge=0,
+        le=65535,
+        description="First port of the KV transport: engine core i takes kv_port + i*(tp+1) "
+        "(notices from consumers) and the next tp ports (blocks, one per rank); 0 picks free "
+        "ports.",
+    )
+    kv_host: str | None = Field(
+        None,
+        description="Address consumers reach this producer at; default: this host name's address "
+        "(a pod's IP).",
+    )
+    kv_transfer_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a producer keeps a finished prompt's blocks for its consumer, and "
+        "a consumer waits for them before computing the prompt itself.",
+    )
     seed: int = Field(0, ge=0, description="Seed for requests that give none.")
     num_threads: int | None = Field(
         None,
@@ -88,14 +109,6 @@ class EngineArgs(BaseModel):
         if self.scheduling_policy == "phased":
             return max(self.max_num_batched_tokens, max_model_len)
         return self.max_num_batched_tokens
-
-    def check_supported(self) -> None:
-        """Refuse, before anything starts, the shapes this build of the engine cannot run yet."""
-        if self.kv_role != "none":
-            raise ValueError(
-                f"kv_role {self.kv_role!r}: this engine build does no KV transfer; "
-                "'none' is the value it accepts"
-            )
 
     @model_validator(mode="after")
     def _check_limits(self) -> EngineArgs:
@@ -156,4 +169,20 @@ class RouterArgs(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
+    )
+    health_interval: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds between health checks of every instance (and DNS re-resolution).",
+    )
+    connect_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds an instance may take to accept a connection before another is tried.",
+    )
+    prefill_timeout: float = Field(
+        600.0, gt=0, description="Seconds a prefill instance may take to answer."
+    )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests before exiting."
     )

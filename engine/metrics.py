@@ -97,6 +97,25 @@ METRICS = (
         "Number of generation tokens per request.",
         TOKEN_BUCKETS,
     ),
+    # Disaggregated prefill/decode (Tidegate's own).
+    MetricSpec(
+        "kv_pinned_blocks", Gauge, "KV blocks a producer holds until a consumer has read them."
+    ),
+    MetricSpec(
+        "kv_pins_expired", Counter, "Pinned transfers freed by the timeout, not by a consumer."
+    ),
+    MetricSpec("kv_received_bytes", Counter, "Bytes of KV pulled from producers."),
+    MetricSpec(
+        "kv_transfer_fallbacks",
+        Counter,
+        "Pulls that failed or timed out; the prompt was computed locally instead.",
+    ),
+    MetricSpec(
+        "kv_transfer_latency_seconds",
+        Histogram,
+        "Seconds from asking a producer for a prompt's KV to having all of it.",
+        ITL_BUCKETS,
+    ),
 )
 
 # SchedulerStats totals that feed counters of the same name.
@@ -105,6 +124,9 @@ _STATS_TOTALS = (
     "prefix_cache_hits",
     "num_preemptions",
     "prompt_tokens_computed",
+    "kv_pins_expired",
+    "kv_received_bytes",
+    "kv_transfer_fallbacks",
 )
 
 
@@ -178,6 +200,9 @@ class PrometheusMetrics:
         self._set("num_requests_running", stats.num_running, engine)
         self._set("num_requests_waiting", stats.num_waiting, engine)
         self._set("kv_cache_usage_perc", stats.kv_cache_usage, engine)
+        self._set("kv_pinned_blocks", stats.kv_pinned_blocks, engine)
+        for seconds in stats.kv_transfer_latencies:
+            self._observe("kv_transfer_latency_seconds", seconds, engine)
         last_totals = self._last_totals.setdefault(engine, dict.fromkeys(_STATS_TOTALS, 0))
         for name in _STATS_TOTALS:
             total = getattr(stats, name)

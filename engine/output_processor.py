@@ -76,6 +76,8 @@ class OutputProcessor:
             completion = state.output.outputs[0]
             completion.token_ids.extend(out.new_token_ids)
             state.output.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.output.kv_transfer_params = out.kv_transfer_params
             if state.want_logprobs and out.new_logprobs is not None:
                 self._append_logprobs(completion, out.new_logprobs)
             stop = state.detokenizer.update(out.new_token_ids)
@@ -120,6 +122,7 @@ class OutputProcessor:
             ],
             finished=full.finished,
             num_cached_tokens=full.num_cached_tokens,
+            kv_transfer_params=full.kv_transfer_params,
         )
 
     def _append_logprobs(self, completion: CompletionOutput, lists: LogprobsLists) -> None:

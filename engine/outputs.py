@@ -44,3 +44,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # A KV producer's answer: where a consumer pulls this prompt's KV (on the last output).
+    kv_transfer_params: dict | None = None

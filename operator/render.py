@@ -311,7 +311,13 @@ class _Context:
             "limits": {"memory": "1Gi"},
         }
         container["readinessProbe"] = {**_health_check(), "periodSeconds": 5}
-        container["livenessProbe"] = {**_health_check(), "periodSeconds": 10, "failureThreshold": 6}
+        # /health is 503 while no engine of a role is ready (say, still loading weights);
+        # liveness asks only whether the router itself answers.
+        container["livenessProbe"] = {
+            "httpGet": {"path": "/live", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        }
         pod_spec = self.pod_spec(container, [])
         return self.deployment(f"{self.name}-router", "router", replicas, pod_spec, config)
 

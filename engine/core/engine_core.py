@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
+import queue
 import time
+from collections.abc import Callable
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.messages import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from tidegate.engine.core.messages import (
+    EngineCoreOutput,
+    KVEvent,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
 from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.kv_transfer.base import KVConnectorScheduler, create_scheduler_connector
 from tidegate.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -63,8 +71,12 @@ def default_executor_class(args: EngineArgs) -> type[Executor]:
 class EngineCore:
     """One engine instance: add requests, abort them, and step."""
 
-    def __init__(self, args: EngineArgs, executor_class: type[Executor] | None = None) -> None:
-        args.check_supported()
+    def __init__(
+        self,
+        args: EngineArgs,
+        executor_class: type[Executor] | None = None,
+        engine_index: int = 0,
+    ) -> None:
         self.args = args
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
@@ -72,7 +84,16 @@ class EngineCore:
         self.model_config = model_config
         if executor_class is None:
             executor_class = default_executor_class(args)
-        self.executor = executor_class(args, model_config, self.max_model_len)
+        self.kv_connector: KVConnectorScheduler | None = None
+        if args.kv_role != "none":
+            self.kv_connector = create_scheduler_connector(args, engine_index)
+        kv_config = self.kv_connector.worker_config() if self.kv_connector else None
+        try:
+            self.executor = executor_class(args, model_config, self.max_model_len, kv_config)
+        except BaseException:
+            if self.kv_connector is not None:
+                self.kv_connector.shutdown()
+            raise
         try:
             num_blocks = self.executor.num_kv_blocks()
             if num_blocks * args.block_size < self.max_model_len:
@@ -84,7 +105,7 @@ class EngineCore:
                 )
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
-            self.executor.shutdown()
+            self.shutdown()
             raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -92,9 +113,21 @@ class EngineCore:
             enable_caching=args.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
-            resolve_step_limits(args, self.max_model_len), self.kv_cache_manager
+            resolve_step_limits(args, self.max_model_len),
+            self.kv_cache_manager,
+            kv_connector=self.kv_connector,
+            kv_transfer_timeout=args.kv_transfer_timeout,
+            world_size=args.tensor_parallel_size,
         )
         self.last_scheduler_output: SchedulerOutput | None = None
+        # KV events arrive on the connector's thread; the loop applies them between steps.
+        self._kv_events: queue.SimpleQueue[KVEvent] = queue.SimpleQueue()
+        # Called (from that thread) after an event is queued: wakes an idle loop.
+        self.kv_wakeup: Callable[[], None] | None = None
+        # The last step ran nothing while pulls were in flight: wait for an event, not spin.
+        self._stalled = False
+        if self.kv_connector is not None:
+            self.kv_connector.start(self.executor.kv_data_ports(), self._on_kv_event)
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             args.model,
@@ -107,16 +140,66 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; it joins the batch at the next step."""
         self.scheduler.add_request(request)
+        self._stalled = False
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests now and free their KV blocks."""
         self.scheduler.abort_requests(request_ids)
+        self._stalled = False
+        self._flush_kv()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True when a step would make progress (pulls in flight wait for their events)."""
+        return self.scheduler.has_unfinished_requests() and not self._stalled
+
+    def has_pending_kv(self) -> bool:
+        """True while pulls are in flight or blocks are pinned for consumers."""
+        return bool(self.scheduler.num_pulling or len(self.scheduler.kv.pins))
+
+    def kv_timeout(self) -> float | None:
+        """Seconds until a pin or a pull times out; None when nothing can."""
+        deadline = self.scheduler.kv.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _on_kv_event(self, event: KVEvent) -> None:
+        self._kv_events.put(event)
+        if self.kv_wakeup is not None:
+            self.kv_wakeup()
+
+    def process_kv_events(self) -> bool:
+        """Apply KV events and timeouts, tell workers and producers; True if any happened."""
+        if self.kv_connector is None:
+            return False
+        changed = False
+        while True:
+            try:
+                event = self._kv_events.get_nowait()
+            except queue.Empty:
+                break
+            self.scheduler.on_kv_event(event)
+            changed = True
+        deadline = self.scheduler.kv.next_deadline()
+        if deadline is not None and deadline <= time.monotonic():
+            self.scheduler.expire_kv(time.monotonic())
+            changed = True
+        if changed:
+            self._stalled = False
+            self._flush_kv()
+        return changed
+
+    def _flush_kv(self) -> None:
+        """Pins and unpins to the workers (before any later step), notices to producers."""
+        if self.kv_connector is None:
+            return
+        pin, unpin = self.scheduler.kv.take_pin_updates()
+        if pin or unpin:
+            self.executor.update_kv_pins(pin, unpin)
+        for params in self.scheduler.kv.take_releases():
+            self.kv_connector.release_remote(params)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and apply the results."""
+        self.process_kv_events()
         scheduler_output = self.scheduler.schedule()
         # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
         self.last_scheduler_output = scheduler_output
@@ -124,18 +207,27 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         self.scheduler.record_step_time(time.perf_counter() - started)
         if scheduler_output.is_empty:
-            if self.scheduler.num_waiting and not self.scheduler.num_running:
+            if self.scheduler.num_pulling:
+                self._stalled = True  # room comes back when a pull finishes
+            elif self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Nothing runs and nothing can start: looping again would hang the caller.
                 raise RuntimeError(
                     f"{self.scheduler.num_waiting} waiting request(s) cannot be scheduled "
                     f"({self.kv_cache_manager.num_free_blocks} free KV blocks)"
                 )
             return []
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        # Pins reach the workers before the outputs naming them reach anyone.
+        self._flush_kv()
+        return outputs
 
     def shutdown(self) -> None:
-        """Stop the workers."""
-        self.executor.shutdown()
+        """Stop the workers and the KV connector."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def scheduler_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
         """The stats message the API server turns into metrics."""
@@ -151,6 +243,11 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_computed=self.scheduler.num_computed_prompt_tokens,
             num_batched_tokens=num_batched_tokens,
+            kv_pinned_blocks=self.scheduler.kv.pins.num_blocks,
+            kv_pins_expired=self.scheduler.kv.pins_expired,
+            kv_received_bytes=self.scheduler.kv.received_bytes,
+            kv_transfer_fallbacks=self.scheduler.kv.fallbacks,
+            kv_transfer_latencies=self.scheduler.kv.take_latencies(),
         )
 
     def stats(self) -> dict[str, float]:
@@ -167,4 +264,9 @@ class EngineCore:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_steps": self.scheduler.num_steps,
+            "num_pulling": self.scheduler.num_pulling,
+            "kv_pinned_blocks": self.scheduler.kv.pins.num_blocks,
+            "kv_pins_expired": self.scheduler.kv.pins_expired,
+            "kv_received_bytes": self.scheduler.kv.received_bytes,
+            "kv_transfer_fallbacks": self.scheduler.kv.fallbacks,
         }

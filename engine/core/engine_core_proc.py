@@ -26,6 +26,7 @@ from tidegate.engine.core.messages import (
 )
 from tidegate.engine.core.request import Request
 from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
 from tidegate.engine.process import become_child_process
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ FAILED = b"FAILED"
 _WORKER_DIED = object()
 # Put on the output queue: send nothing more, the process is ending.
 _STOP_SENDING = object()
+# Put on the input queue by the KV connector's thread: events are waiting to be applied.
+_KV_EVENT = object()
 
 
 def run_engine_core(
@@ -60,7 +63,7 @@ def run_engine_core(
 
         if args.data_parallel_size_local > 1:
             _use_own_devices(args, engine_index)
-        engine = EngineCore(args, executor_class=MultiprocExecutor)
+        engine = EngineCore(args, executor_class=MultiprocExecutor, engine_index=engine_index)
     except Exception as error:
         detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
         logger.error("engine core %d failed to start: %s", engine_index, detail)
@@ -93,6 +96,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._shutting_down = threading.Event()
+        engine.kv_wakeup = lambda: self.input_queue.put(_KV_EVENT)
 
     def run(self, ctx: zmq.Context, requests: zmq.Socket, output_address: str) -> int:
         """Serve until told to shut down (0) or until something dies (1)."""
@@ -125,7 +129,10 @@ class EngineCoreProc:
     def _busy_loop(self) -> None:
         engine = self.engine
         while True:
-            if not self._handle_inputs(block=not engine.has_unfinished_requests()):
+            idle = not engine.has_unfinished_requests()
+            # An idle loop sleeps until input arrives or a KV transfer times out.
+            timeout = engine.kv_timeout() if idle else None
+            if not self._handle_inputs(block=idle, timeout=timeout):
                 return
             if not engine.has_unfinished_requests():
                 continue
@@ -140,16 +147,19 @@ class EngineCoreProc:
                 )
             )
 
-    def _handle_inputs(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False once shutdown was asked for."""
+    def _handle_inputs(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued adds, aborts and KV events; False once shutdown was asked for."""
         rejected: list[str] = []
-        changed = False
+        changed = self.engine.process_kv_events()  # timeouts, even when nothing arrives
         while True:
             try:
-                item = self.input_queue.get(block=block)
+                item = self.input_queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 break
             block = False
+            if item is _KV_EVENT:
+                changed = self.engine.process_kv_events() or changed
+                continue
             if item is _WORKER_DIED:
                 self.engine.executor.check_alive()
                 raise EngineDeadError("a worker process died")
@@ -163,6 +173,7 @@ class EngineCoreProc:
                 rejected.append(payload.request_id)
             else:
                 self.engine.add_request(_to_request(payload))
+        changed = self.engine.process_kv_events() or changed
         if rejected or (changed and not self.engine.has_unfinished_requests()):
             # No step follows to report the new state (an abort emptied the engine, or a
             # request was refused): report it now.
@@ -246,4 +257,5 @@ def _to_request(message: EngineCoreRequest) -> Request:
         eos_token_ids=set(message.eos_token_ids),
         cache_salt=message.cache_salt,
         arrival_time=message.arrival_time,
+        kv_transfer=parse_kv_transfer_params(message.kv_transfer_params),
     )

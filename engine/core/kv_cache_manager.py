@@ -33,6 +33,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks of finished requests kept for a KV transfer (producer pins), by transfer id.
+        self.detached: dict[str, list[KVCacheBlock]] = {}
         # Token units, as vLLM counts them: hits / queries is the token hit rate.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -77,10 +79,13 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Give the request blocks for its next tokens; None (and no change) if none are left.
 
-        An empty list is success: the request already owns enough blocks.
+        An empty list is success: the request already owns enough blocks. `cache=False` leaves
+        the new blocks out of the prefix cache until `cache_blocks` (their KV comes from a
+        producer and is not there yet).
         """
         rid = request.request_id
         computed = new_computed_blocks or []
@@ -107,9 +112,35 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(rid, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if not cache:
+            self.num_cached_blocks[rid] = self.num_cached_blocks.get(rid, len(computed))
+        elif self.enable_caching:
             self._cache_blocks(request, blocks, num_tokens, len(computed))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once num_tokens have KV."""
+        if self.enable_caching:
+            blocks = self.req_to_blocks[request.request_id]
+            self._cache_blocks(request, blocks, num_tokens, 0)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def detach(self, request: Request, key: str) -> list[int]:
+        """Keep a finishing request's blocks under `key` (a KV transfer); their ids."""
+        if key in self.detached:
+            raise ValueError(f"blocks are already kept under {key!r}")
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.detached[key] = blocks
+        return [block.block_id for block in blocks]
+
+    def free_detached(self, key: str) -> int:
+        """Release blocks kept by `detach`; how many (0 if nothing is kept under key)."""
+        blocks = self.detached.pop(key, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        return len(blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, and forget it; unknown requests are a no-op."""
@@ -149,6 +180,8 @@ class KVCacheManager:
         """Raise AssertionError if reference counts, the free queue or the hash map disagree."""
         pool = self.block_pool
         holders: Counter[int] = Counter()
+        for blocks in self.detached.values():
+            holders.update(block.block_id for block in blocks)
         for rid, blocks in self.req_to_blocks.items():
             ids = [block.block_id for block in blocks]
             assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"

@@ -10,6 +10,7 @@ In one process the same structs are passed as plain objects.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -38,6 +39,30 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     resumed_from_preemption: bool = False
 
 
+class KVRecvSpec(msgspec.Struct, array_like=True):
+    """Pull a request's prompt KV from a producer into these local blocks (disaggregated)."""
+
+    req_id: str
+    # The producer's name for the pinned blocks, and where its workers serve them.
+    transfer_id: str
+    host: str
+    data_ports: list[int]
+    # Producer block i holds the same tokens as local block i of the lists below.
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a step asks of the workers' KV connectors, beside computing tokens."""
+
+    # Start pulling these (consumer).
+    recv: list[KVRecvSpec] = msgspec.field(default_factory=list)
+    # Pulled KV to write into the cache before this step's forward pass.
+    load: list[str] = msgspec.field(default_factory=list)
+    # Pulls whose result must be dropped (aborted, timed out, or failed on another rank).
+    discard: list[str] = msgspec.field(default_factory=list)
+
+
 class SchedulerOutput(msgspec.Struct):
     """One step's plan: which requests compute how many tokens, in batch order."""
 
@@ -47,6 +72,7 @@ class SchedulerOutput(msgspec.Struct):
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = msgspec.field(default_factory=set)
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +108,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # time.monotonic() at the API server; CLOCK_MONOTONIC is shared by all processes.
     arrival_time: float
     cache_salt: str | None = None
+    # Disaggregated serving: {"do_remote_decode": true} on a producer, or the producer's
+    # answer (do_remote_prefill plus where the blocks are) on a consumer.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -103,6 +132,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # Seconds from arrival to first being scheduled; set on a request's first output only.
     queue_time: float | None = None
+    # Producer: where a consumer pulls this request's prompt KV (on its last output).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -119,6 +150,13 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prompt_tokens_computed: int = 0
     # Tokens computed by the step these stats follow (0 when no step ran).
     num_batched_tokens: int = 0
+    # Disaggregated serving (totals except where said).
+    kv_pinned_blocks: int = 0  # gauge: producer blocks held for consumers
+    kv_pins_expired: int = 0  # pins released by --kv-transfer-timeout, not by a consumer
+    kv_received_bytes: int = 0
+    kv_transfer_fallbacks: int = 0  # pulls that failed; the prompt was computed locally
+    # Seconds each pull completed since the last stats took (consumer).
+    kv_transfer_latencies: list[float] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -161,7 +199,18 @@ class ShutdownWorker(msgspec.Struct, tag=True):
     """Leave the loop and exit 0."""
 
 
-WorkerCommand = InitializeKVCache | ExecuteModel | ShutdownWorker
+class KVPins(msgspec.Struct, tag=True):
+    """Producer: serve these blocks to consumers (pin) or stop serving them (unpin).
+
+    A worker applies it before any later step, so a block is never read after the scheduler
+    has handed it to another request.
+    """
+
+    pin: dict[str, list[int]]
+    unpin: list[str]
+
+
+WorkerCommand = InitializeKVCache | ExecuteModel | KVPins | ShutdownWorker
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -169,6 +218,8 @@ class WorkerReady(msgspec.Struct, tag=True):
 
     rank: int
     num_kv_blocks: int
+    # Where its KV connector serves blocks (0 without one).
+    kv_data_port: int = 0
 
 
 class WorkerResult(msgspec.Struct, tag=True):
@@ -185,3 +236,57 @@ class WorkerFailure(msgspec.Struct, tag=True):
 
 
 WorkerReply = WorkerReady | WorkerResult | WorkerFailure
+
+
+# -- KV transfer (disaggregated prefill/decode) ----------------------------------------------
+
+
+class KVWorkerConfig(msgspec.Struct):
+    """What each worker needs to run its side of the KV connector."""
+
+    connector: str
+    role: str  # producer | consumer
+    # Port of rank r's block server (producer); 0 picks a free one.
+    data_port: int
+    # Where workers report finished pulls to their engine core.
+    events_address: str
+    timeout_s: float
+
+
+class KVRecvDone(msgspec.Struct, tag=True):
+    """A consumer worker finished (or gave up) pulling one request's blocks."""
+
+    req_id: str
+    rank: int
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+class KVRelease(msgspec.Struct, tag=True):
+    """Consumer -> producer engine core: the pinned blocks of this transfer may be freed."""
+
+    transfer_id: str
+
+
+KVEvent = KVRecvDone | KVRelease
+
+
+class KVReadRequest(msgspec.Struct, array_like=True):
+    """Consumer worker -> producer worker: these blocks of a pinned transfer, these heads."""
+
+    transfer_id: str
+    block_ids: list[int]
+    head_start: int
+    head_end: int
+
+
+class KVReadReply(msgspec.Struct, array_like=True):
+    """The header of a block read; one K and one V frame per layer follow when ok."""
+
+    ok: bool
+    error: str = ""
+    dtype: str = ""
+    # Of each frame: [blocks, block_size, heads, head_dim].
+    shape: list[int] = msgspec.field(default_factory=list)

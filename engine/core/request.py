@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from tidegate.engine.kv_transfer.params import KVTransferParams
 from tidegate.engine.sampling_params import SamplingParams
 
 
@@ -14,6 +15,8 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life; the finished ones carry their reason."""
 
     WAITING = enum.auto()
+    # Disaggregated consumer: blocks allocated, the prompt's KV on its way from a producer.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -47,6 +50,7 @@ class Request:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -68,6 +72,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Content hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
+        # Disaggregated serving: what was asked, whether the pull was tried (once only), and
+        # a producer's answer, set when the request finishes.
+        self.kv_transfer = kv_transfer
+        self.kv_pull_tried = False
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

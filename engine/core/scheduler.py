@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -11,12 +12,24 @@ from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    KVEvent,
+    KVRecvDone,
+    KVRecvSpec,
+    KVRelease,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from tidegate.engine.core.request import Request, RequestStatus
 from tidegate.engine.core.step_budget import StepBudget, StepLimits
+from tidegate.engine.kv_transfer.base import KVConnectorScheduler
+from tidegate.engine.kv_transfer.params import RemoteDecode, RemotePrefill, prompt_digest
+from tidegate.engine.kv_transfer.tracker import KVTransferState, Pin
+
+logger = logging.getLogger(__name__)
+
+# A consumer gives up on a pull this long after its workers should have (lost reports).
+_PULL_GRACE_S = 5.0
 
 
 class Scheduler:
@@ -27,7 +40,14 @@ class Scheduler:
     blocks run out the newest running request is preempted by recompute.
     """
 
-    def __init__(self, limits: StepLimits, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        limits: StepLimits,
+        kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorScheduler | None = None,
+        kv_transfer_timeout: float = 30.0,
+        world_size: int = 1,
+    ) -> None:
         self.limits = limits
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -47,6 +67,7 @@ class Scheduler:
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
         self.num_computed_prompt_tokens = 0
+        self.kv = KVTransferState(kv_connector, kv_transfer_timeout, world_size)
 
     # -- the request set --------------------------------------------------------------------
 
@@ -63,9 +84,17 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None and not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
+            elif req_id in self.kv.pin_of_request:
+                self._unpin(self.kv.pin_of_request[req_id])
 
     def has_unfinished_requests(self) -> bool:
+        """True while some request waits or runs (not counting pulls in flight)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_pulling(self) -> int:
+        """Consumer requests parked until their KV arrives."""
+        return len(self.kv.parked)
 
     @property
     def num_running(self) -> int:
@@ -164,6 +193,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
+            kv_connector_metadata=self.kv.take_meta(),
         )
         self._finished_req_ids = set()
         if self.chunk_tuner is not None:  # only the tuner needs the step's mix
@@ -196,7 +226,18 @@ class Scheduler:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]
-            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            if self._wants_pull(request):
+                parked = self._park_for_pull(request)
+                if parked is None:
+                    break  # no room for its blocks yet
+                if parked:
+                    continue
+            # A request that already holds blocks had its prompt pulled (or the pull failed).
+            held = self.kv_cache_manager.num_held_blocks(request.request_id)
+            if held:
+                computed_blocks, num_cached = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = budget.tokens_for(request, num_cached)
             if num_new == 0:
                 break
@@ -206,10 +247,11 @@ class Scheduler:
             if partial and not budget.admits_partial(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            if not self._leaves_headroom(request, computed_blocks, num_cached + num_new):
+            if not self._leaves_headroom(request, computed_blocks, num_cached + num_new, held):
                 break
+            num_hit = 0 if held else num_cached
             if (
-                self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_cached)
+                self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_hit)
                 is None
             ):
                 break
@@ -232,6 +274,9 @@ class Scheduler:
                 )
             else:
                 self._known_to_runner.add(request.request_id)
+                if request.request_id in self.kv.to_load:
+                    self.kv.to_load.discard(request.request_id)
+                    self.kv.meta.load.append(request.request_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id=request.request_id,
@@ -248,7 +293,9 @@ class Scheduler:
         # Skipped prompts keep their place at the front, in their original order.
         self.waiting.extendleft(reversed(skipped))
 
-    def _leaves_headroom(self, request: Request, computed_blocks: list, num_tokens: int) -> bool:
+    def _leaves_headroom(
+        self, request: Request, computed_blocks: list, num_tokens: int, held: int = 0
+    ) -> bool:
         """True when admitting leaves a free block for each running request to grow into.
 
         Without this margin a newly admitted (or resumed) request is preempted again as soon
@@ -257,7 +304,7 @@ class Scheduler:
         """
         if not self.running:
             return True
-        needed = -(-num_tokens // self.block_size) - len(computed_blocks)
+        needed = -(-num_tokens // self.block_size) - len(computed_blocks) - held
         revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         free_after = self.kv_cache_manager.num_free_blocks - needed - revived
         return free_after >= len(self.running)
@@ -301,6 +348,7 @@ class Scheduler:
                     new_logprobs=runner_output.logprobs.get(req_id),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_time=self._queue_time(request, len(new_token_ids)),
+                    kv_transfer_params=request.kv_transfer_params_out,
                 )
             )
         return outputs
@@ -329,15 +377,171 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request out of the queues, free its blocks and tell the runner next step."""
         request.status = status
+        rid = request.request_id
         if request in self.running:
             self.running.remove(request)
+        elif rid in self.kv.parked:
+            del self.kv.parked[rid]
+            self.kv.pulls.cancel(rid)
+            self._drop_pull(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+            if rid in self.kv.to_load:
+                self.kv.to_load.discard(rid)
+                self.kv.meta.discard.append(rid)
+        if (
+            isinstance(request.kv_transfer, RemoteDecode)
+            and self.kv.enabled
+            and (status is not RequestStatus.FINISHED_ABORTED)
+        ):
+            self._pin(request)
+        else:
+            self.kv_cache_manager.free(request)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    # -- KV transfer (disaggregated prefill/decode) -------------------------------------------
+
+    def _pin(self, request: Request) -> None:
+        """Producer: keep a finished prompt's blocks for a consumer and say where they are."""
+        assert self.kv.connector is not None
+        transfer_id = f"{request.request_id}~{next(self.kv.sequence)}"
+        block_ids = self.kv_cache_manager.detach(request, transfer_id)
+        deadline = time.monotonic() + self.kv.timeout_s
+        self.kv.pins.add(Pin(transfer_id, len(block_ids), deadline))
+        self.kv.pin[transfer_id] = block_ids
+        self.kv.pin_of_request[request.request_id] = transfer_id
+        request.kv_transfer_params_out = self.kv.connector.transfer_params(
+            transfer_id, block_ids, prompt_digest(request.prompt_token_ids)
+        )
+
+    def _unpin(self, transfer_id: str, expired: bool = False) -> None:
+        pin = self.kv.pins.pop(transfer_id)
+        if pin is None:
+            return  # released already (a second notice, or after the timeout)
+        self.kv_cache_manager.free_detached(transfer_id)
+        self.kv.unpin.append(transfer_id)
+        self.kv.pin_of_request.pop(transfer_id.rpartition("~")[0], None)
+        if expired:
+            self.kv.pins_expired += 1
+            logger.warning("KV transfer %s expired; its blocks are freed", transfer_id)
+
+    def _wants_pull(self, request: Request) -> bool:
+        return (
+            self.kv.enabled
+            and isinstance(request.kv_transfer, RemotePrefill)
+            and not request.kv_pull_tried
+        )
+
+    def _park_for_pull(self, request: Request) -> bool | None:
+        """Consumer: allocate blocks and start pulling the prompt's KV (True), or compute the
+        prompt here (False: nothing to pull, or the producer's answer does not fit), or wait
+        for room (None)."""
+        params = request.kv_transfer
+        assert isinstance(params, RemotePrefill)
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        # Every prompt token but the last: computing that one yields the first token's logits.
+        num_remote = request.num_prompt_tokens - 1 - num_cached
+        first, end = num_cached // self.block_size, -(-(num_cached + num_remote) // self.block_size)
+        problem = self._pull_problem(request, params, end) if num_remote > 0 else ""
+        if num_remote <= 0 or problem:
+            # Nothing to pull (the prefix cache has it all), or nothing usable.
+            request.kv_pull_tried = True
+            if problem:
+                logger.warning("computing %s locally: %s", request.request_id, problem)
+                self.kv.fallbacks += 1
+            self.kv.releases.append(params)
+            return False
+        if not self._leaves_headroom(request, computed_blocks, num_cached + num_remote):
+            return None
+        if kv.allocate_slots(request, num_remote, computed_blocks, num_cached, cache=False) is None:
+            return None
+        self.waiting.popleft()
+        request.kv_pull_tried = True
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        rid = request.request_id
+        self.kv.parked[rid] = request
+        self.kv.pulls.start(rid, time.monotonic() + self.kv.timeout_s + _PULL_GRACE_S)
+        self.kv.meta.recv.append(
+            KVRecvSpec(
+                req_id=rid,
+                transfer_id=params.remote_request_id,
+                host=params.remote_host,
+                data_ports=params.remote_data_ports,
+                remote_block_ids=params.remote_block_ids[first:end],
+                local_block_ids=kv.get_block_ids(rid)[first:end],
+            )
+        )
+        return True
+
+    def _pull_problem(self, request: Request, params: RemotePrefill, num_blocks: int) -> str:
+        """Why the producer's blocks cannot stand for this prompt ('' when they can)."""
+        if params.remote_block_size != self.block_size:
+            return f"producer blocks hold {params.remote_block_size} tokens, ours {self.block_size}"
+        if params.prompt_digest != prompt_digest(request.prompt_token_ids):
+            return "the producer tokenized a different prompt (tokenizer or template differ)"
+        if len(params.remote_block_ids) < num_blocks:
+            return f"producer named {len(params.remote_block_ids)} blocks; the prompt needs {num_blocks}"
+        return ""
+
+    def on_kv_event(self, event: KVEvent) -> None:
+        """A worker finished a pull, or a consumer is done with a pin."""
+        if isinstance(event, KVRelease):
+            self._unpin(event.transfer_id)
+            return
+        assert isinstance(event, KVRecvDone)
+        state = self.kv.pulls.report(
+            event.req_id, event.rank, event.ok, event.num_bytes, event.seconds
+        )
+        if state == "done":
+            self._pull_done(event.req_id)
+        elif state == "failed":
+            self._pull_failed(event.req_id, event.error)
+
+    def expire_kv(self, now: float) -> None:
+        """Free pins nobody claimed in time; compute prompts whose pull never finished."""
+        for transfer_id in self.kv.pins.expired(now):
+            self._unpin(transfer_id, expired=True)
+        for rid in self.kv.pulls.pop_expired(now):
+            self._pull_failed(rid, "no report from the workers in time")
+
+    def _pull_done(self, rid: str) -> None:
+        request = self.kv.parked.pop(rid)
+        num_bytes, seconds = self.kv.pulls.finish(rid)
+        self.kv.received_bytes += num_bytes
+        self.kv.latencies.append(seconds)
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        # Only now is the KV really there: from here on other requests may hit these blocks.
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self.kv.to_load.add(rid)
+        self.waiting.appendleft(request)
+        assert isinstance(request.kv_transfer, RemotePrefill)
+        self.kv.releases.append(request.kv_transfer)
+
+    def _pull_failed(self, rid: str, reason: str) -> None:
+        request = self.kv.parked.pop(rid, None)
+        if request is None:
+            return
+        self.kv.pulls.cancel(rid)
+        logger.warning("KV pull of %s failed (%s); computing the prompt locally", rid, reason)
+        self.kv.fallbacks += 1
+        # It keeps its blocks and its local prefix hits; the rest is computed as usual.
+        request.status = RequestStatus.WAITING
+        self._drop_pull(request)
+        self.waiting.appendleft(request)
+
+    def _drop_pull(self, request: Request) -> None:
+        """Workers drop what they pulled for the request; the producer may free its pin."""
+        self.kv.meta.discard.append(request.request_id)
+        assert isinstance(request.kv_transfer, RemotePrefill)
+        self.kv.releases.append(request.kv_transfer)
 
 
 def _is_decoding(request: Request) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from tidegate.engine.config import EngineArgs, ServerArgs
+from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 
 M = typing.TypeVar("M", bound=BaseModel)
 
@@ -40,7 +40,11 @@ def add_engine_args(
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = default
         elif typing.get_origin(_strip_none(annotation)) is list:
-            kwargs.update(nargs="+", default=default)
+            kwargs["nargs"] = "+"
+            if field.is_required() and name not in defaults:
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = default
         else:
             choices, cast = _argparse_type(annotation)
             kwargs.update(type=cast, choices=choices)
@@ -149,6 +153,12 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(engine_args, server_args)
 
 
+def _router(ns: argparse.Namespace) -> int:
+    from tidegate.engine.router.server import run_router
+
+    return run_router(engine_args_from(ns, RouterArgs))
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tidegate.engine.entrypoints.demo import run_demo
 
@@ -212,7 +222,7 @@ def _bench_throughput(ns: argparse.Namespace) -> int:
 
 
 def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """The whole command line, subcommands included; `config` holds `serve --config` values."""
+    """The whole command line, subcommands included; `config` holds `--config` values."""
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -240,6 +250,15 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     add_engine_args(serve, defaults=config)
     add_engine_args(serve, ServerArgs, defaults=config)
     serve.set_defaults(handler=_serve)
+
+    router = sub.add_parser("router", help="route requests to prefill and decode instances")
+    router.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of flag: value (e.g. prefill: [URL]); flags given here win",
+    )
+    add_engine_args(router, RouterArgs, defaults=config)
+    router.set_defaults(handler=_router)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench_serve = bench.add_parser("serve", help="load an OpenAI-compatible server")
@@ -300,12 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = None
-    if argv[:1] == ["serve"]:
+    config_models = {"serve": [EngineArgs, ServerArgs], "router": [RouterArgs]}
+    if argv[:1] and argv[0] in config_models:
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--config")
         path = pre.parse_known_args(argv[1:])[0].config
         if path is not None:
-            config = load_config_file(path, [EngineArgs, ServerArgs])
+            config = load_config_file(path, config_models[argv[0]])
     ns = build_parser(config).parse_args(argv)
     try:
         return ns.handler(ns)

@@ -5,17 +5,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 
 
 class Executor(ABC):
     """Runs the model for the EngineCore, in this process or in worker processes."""
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        max_model_len: int,
+        kv_config: KVWorkerConfig | None = None,
+    ) -> None:
         self.args = args
         self.model_config = model_config
         self.max_model_len = max_model_len
+        self.kv_config = kv_config
 
     @abstractmethod
     def num_kv_blocks(self) -> int:
@@ -28,6 +35,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker and return rank 0's sampled tokens."""
+
+    @abstractmethod
+    def kv_data_ports(self) -> list[int]:
+        """Where each rank's KV connector serves blocks (producer), by rank."""
+
+    @abstractmethod
+    def update_kv_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:
+        """Tell every worker which transfers it may serve, before any later step runs."""
 
     @abstractmethod
     def describe(self) -> str:

@@ -15,6 +15,8 @@ from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.messages import (
     ExecuteModel,
     InitializeKVCache,
+    KVPins,
+    KVWorkerConfig,
     ModelRunnerOutput,
     SchedulerOutput,
     ShutdownWorker,
@@ -48,8 +50,14 @@ class MultiprocExecutor(Executor):
 
     title_prefix = "tidegate::"
 
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int) -> None:
-        super().__init__(args, model_config, max_model_len)
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        max_model_len: int,
+        kv_config: KVWorkerConfig | None = None,
+    ) -> None:
+        super().__init__(args, model_config, max_model_len, kv_config)
         self.world_size = args.tensor_parallel_size
         # Where the ranks meet to form their torch.distributed group (unused for one rank).
         init_method = free_init_method() if self.world_size > 1 else ""
@@ -72,6 +80,7 @@ class MultiprocExecutor(Executor):
                     theirs,
                     self.title_prefix,
                     init_method,
+                    kv_config,
                 ),
                 name=f"{self.title_prefix}worker_tp{rank}",
                 daemon=True,
@@ -87,7 +96,9 @@ class MultiprocExecutor(Executor):
             raise
         # Every reader has attached: drop the name so nothing outlives us in /dev/shm.
         self._queue.unlink()
-        self._num_kv_blocks = min(r.num_kv_blocks for r in ready if isinstance(r, WorkerReady))
+        readies = [r for r in ready if isinstance(r, WorkerReady)]
+        self._num_kv_blocks = min(r.num_kv_blocks for r in readies)
+        self._kv_data_ports = [r.kv_data_port for r in sorted(readies, key=lambda r: r.rank)]
 
     @property
     def sentinels(self) -> list[int]:
@@ -133,6 +144,12 @@ class MultiprocExecutor(Executor):
         reply = self._receive(0)
         assert isinstance(reply, WorkerResult), reply
         return reply.output
+
+    def kv_data_ports(self) -> list[int]:
+        return self._kv_data_ports
+
+    def update_kv_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:
+        self._broadcast(KVPins(pin=pin, unpin=unpin))
 
     def describe(self) -> str:
         pids = ", ".join(str(process.pid) for process in self.workers)

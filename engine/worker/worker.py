@@ -8,8 +8,9 @@ import os
 import torch
 
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
-from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.worker.model_runner import ModelRunner
 
@@ -38,6 +39,7 @@ class Worker:
         max_model_len: int,
         rank: int = 0,
         distributed_init_method: str | None = None,
+        kv_config: KVWorkerConfig | None = None,
     ) -> None:
         self.args = args
         self.rank = rank
@@ -57,6 +59,16 @@ class Worker:
             torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // ranks))
         init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
+        self.kv_connector: KVConnectorWorker | None = None
+        if kv_config is not None:
+            self.kv_connector = create_worker_connector(
+                kv_config, rank, world_size, model_config.num_key_value_heads, self.device
+            )
+
+    @property
+    def kv_data_port(self) -> int:
+        """Where this rank serves KV blocks to consumers (0: it does not)."""
+        return self.kv_connector.data_port if self.kv_connector is not None else 0
 
     def describe(self) -> str:
         """Device and dtype, for the startup log line."""
@@ -75,10 +87,22 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        meta = scheduler_output.kv_connector_metadata
+        if meta is not None and self.kv_connector is not None:
+            # Pulled KV lands in the cache before the forward pass that reads it.
+            self.kv_connector.handle(meta)
         return self.runner.execute_model(scheduler_output)
 
+    def update_kv_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.update_pins(pin, unpin)
+
     def shutdown(self) -> None:
-        """Leave the tensor-parallel group."""
+        """Stop the KV connector and leave the tensor-parallel group."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         destroy_tensor_parallel()

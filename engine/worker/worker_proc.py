@@ -12,6 +12,8 @@ from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.messages import (
     ExecuteModel,
     InitializeKVCache,
+    KVPins,
+    KVWorkerConfig,
     ShutdownWorker,
     WorkerCommand,
     WorkerFailure,
@@ -33,6 +35,7 @@ def run_worker(
     replies: Connection,
     title_prefix: str,
     distributed_init_method: str,
+    kv_config: KVWorkerConfig | None = None,
 ) -> None:
     """Process entry point: load the shard, report readiness, then serve commands until told."""
     become_child_process(f"{title_prefix}worker_tp{rank}")
@@ -48,15 +51,21 @@ def run_worker(
         from tidegate.engine.worker.worker import Worker
 
         model_config = ModelConfig.from_pretrained(args.model)
-        worker = Worker(args, model_config, max_model_len, rank, distributed_init_method)
+        worker = Worker(args, model_config, max_model_len, rank, distributed_init_method, kv_config)
         reader = ShmBroadcastReader(commands, rank)
-        reply(WorkerReady(rank=rank, num_kv_blocks=worker.num_kv_blocks()))
+        reply(
+            WorkerReady(
+                rank=rank, num_kv_blocks=worker.num_kv_blocks(), kv_data_port=worker.kv_data_port
+            )
+        )
         while True:
             command = decoder.decode(reader.dequeue())
             if isinstance(command, ExecuteModel):
                 output = worker.execute_model(command.scheduler_output)
                 if rank == 0:
                     reply(WorkerResult(output=output))
+            elif isinstance(command, KVPins):
+                worker.update_kv_pins(command.pin, command.unpin)
             elif isinstance(command, InitializeKVCache):
                 worker.initialize_kv_cache(command.num_blocks)
             elif isinstance(command, ShutdownWorker):

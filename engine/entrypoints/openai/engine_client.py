@@ -25,6 +25,11 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def kv_role(self) -> str:
+        """none, producer or consumer (disaggregated prefill/decode)."""
+        ...
+
+    @property
     def is_dead(self) -> bool:
         """True once an engine process died; the server is going down."""
         ...

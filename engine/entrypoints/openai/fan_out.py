@@ -6,8 +6,13 @@ Choice `prompt_index * n + i` of the response is engine request `<id>-<prompt_in
 from __future__ import annotations
 
 import dataclasses
+import re
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
 
 from tidegate.engine.core.request import Request
 from tidegate.engine.entrypoints.openai.async_iterators import (
@@ -18,8 +23,16 @@ from tidegate.engine.entrypoints.openai.async_iterators import (
 )
 from tidegate.engine.entrypoints.openai.engine_client import EngineClient
 from tidegate.engine.entrypoints.openai.responses import PromptTokensDetails, Usage
+from tidegate.engine.kv_transfer.params import (
+    KVTransferParams,
+    RemoteDecode,
+    parse_kv_transfer_params,
+)
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.sampling_params import SamplingParams
+
+# What an X-Request-Id may look like to be used in ids (and logs) as it is.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass
@@ -38,12 +51,14 @@ def build_sub_requests(
     params: SamplingParams,
     n: int,
     cache_salt: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> list[SubRequest]:
     """Check every prompt x choice (raising ValueError) before anything reaches the engine.
 
     max_tokens None means "up to the context limit"; with a seed, choice i samples with
     seed + i so that the n choices differ yet the response is reproducible.
     """
+    kv_transfer = check_kv_transfer(engine, kv_transfer_params, len(prompts) * n)
     subs = []
     for prompt_index, prompt in enumerate(prompts):
         token_ids = engine.input_processor.prompt_token_ids(prompt)
@@ -58,9 +73,47 @@ def build_sub_requests(
             request = engine.input_processor.process(
                 f"{request_id}-{prompt_index}-{choice}", token_ids, choice_params, cache_salt
             )
+            request.kv_transfer = kv_transfer
             text = prompt if isinstance(prompt, str) else None
             subs.append(SubRequest(prompt_index * n + choice, request, text))
     return subs
+
+
+def request_ids(prefix: str, http_request: HTTPRequest) -> tuple[str, str]:
+    """The response's id and the base of its engine request ids.
+
+    A caller's `X-Request-Id` (the router sends the same one to the prefill and the decode
+    instance) names the response; the engine ids get a random part too, so that two requests
+    sent with the same header never collide inside the engine.
+    """
+    given = http_request.headers.get("x-request-id", "")
+    if given and _REQUEST_ID.fullmatch(given):
+        response_id = f"{prefix}-{given}"
+        return response_id, f"{response_id}-{uuid.uuid4().hex[:8]}"
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    return response_id, response_id
+
+
+def check_kv_transfer(
+    engine: EngineClient, raw: dict[str, Any] | None, num_requests: int
+) -> KVTransferParams | None:
+    """The request's KV transfer, if this server plays the role it asks for (else ValueError)."""
+    params = parse_kv_transfer_params(raw)
+    if params is None:
+        return None
+    wanted = "producer" if isinstance(params, RemoteDecode) else "consumer"
+    if engine.kv_role != wanted:
+        field_name = "do_remote_decode" if wanted == "producer" else "do_remote_prefill"
+        raise ValueError(
+            f"kv_transfer_params.{field_name} needs a server started with --kv-role {wanted}; "
+            f"this one has --kv-role {engine.kv_role}"
+        )
+    if num_requests != 1:
+        raise ValueError(
+            "kv_transfer_params works with one prompt and n=1; this request makes "
+            f"{num_requests} generations"
+        )
+    return params
 
 
 async def start_generation(
@@ -93,6 +146,7 @@ class ChoiceState:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, output: RequestOutput) -> None:
         """Fold in one delta output."""
@@ -106,6 +160,8 @@ class ChoiceState:
             self.stop_reason = completion.stop_reason
         self.num_prompt_tokens = len(output.prompt_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
 
     @property
     def text(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
 from tidegate.engine.sampling_params import SamplingParams
 
 MAX_N = 16
@@ -68,6 +69,8 @@ class SamplingRequest(_Body):
     user: Any = None  # accepted, unused
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Disaggregated serving (set by `tidegate router`): see tidegate.engine.kv_transfer.params.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("n")
     @classmethod
@@ -75,6 +78,12 @@ class SamplingRequest(_Body):
         if not 1 <= n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {n}")
         return n
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _check_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        parse_kv_transfer_params(value)  # ValueError naming what is wrong
+        return value or None
 
     @field_validator("logit_bias")
     @classmethod

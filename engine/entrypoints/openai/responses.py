@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -45,6 +45,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # A KV producer's answer, for `tidegate router` to pass to a consumer.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -81,6 +83,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import jinja2
@@ -17,6 +16,7 @@ from tidegate.engine.entrypoints.openai.engine_client import EngineClient
 from tidegate.engine.entrypoints.openai.fan_out import (
     ChoiceState,
     build_sub_requests,
+    request_ids,
     run_to_completion,
     start_generation,
     usage,
@@ -63,12 +63,18 @@ class ChatServing:
 
     async def create(self, body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
         """Render, validate every choice, then generate; streams when body.stream."""
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = request_ids("chatcmpl", http_request)
         token_ids = chat_prompt_token_ids(self.engine.tokenizer, body.messages)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=body.output_limit, logprobs=num_top)
         subs = build_sub_requests(
-            self.engine, request_id, [token_ids], params, body.n, body.cache_salt
+            self.engine,
+            engine_id,
+            [token_ids],
+            params,
+            body.n,
+            body.cache_salt,
+            body.kv_transfer_params,
         )
         created = int(time.time())
         if body.stream:
@@ -96,6 +102,7 @@ class ChatServing:
             model=body.model,
             choices=choices,
             usage=usage(states, body.n),
+            kv_transfer_params=states[0].kv_transfer_params,
         )
         return JSONResponse(response.model_dump())
 

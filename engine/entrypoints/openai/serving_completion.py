@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse
@@ -16,6 +15,7 @@ from tidegate.engine.entrypoints.openai.engine_client import EngineClient
 from tidegate.engine.entrypoints.openai.fan_out import (
     ChoiceState,
     build_sub_requests,
+    request_ids,
     run_to_completion,
     start_generation,
     usage,
@@ -39,10 +39,16 @@ class CompletionServing:
 
     async def create(self, body: CompletionRequest, http_request: HTTPRequest) -> Response:
         """Validate every prompt x choice, then generate; streams when body.stream."""
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = request_ids("cmpl", http_request)
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
         subs = build_sub_requests(
-            self.engine, request_id, body.prompts(), params, body.n, body.cache_salt
+            self.engine,
+            engine_id,
+            body.prompts(),
+            params,
+            body.n,
+            body.cache_salt,
+            body.kv_transfer_params,
         )
         header = CompletionResponse(
             id=request_id, created=int(time.time()), model=body.model, choices=[]
@@ -63,7 +69,13 @@ class CompletionServing:
             )
             for index, state in enumerate(states)
         ]
-        response = header.model_copy(update={"choices": choices, "usage": usage(states, body.n)})
+        response = header.model_copy(
+            update={
+                "choices": choices,
+                "usage": usage(states, body.n),
+                "kv_transfer_params": states[0].kv_transfer_params,
+            }
+        )
         return JSONResponse(response.model_dump())
 
     def _logprobs(

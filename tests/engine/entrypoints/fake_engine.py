@@ -29,6 +29,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.input_processor = input_processor
         self.max_model_len = input_processor.max_model_len
+        self.kv_role = "none"
         self.is_dead = False
         self.dead_reason: str | None = None
         self.script_ids = tokenizer.encode(SCRIPT, add_special_tokens=False)

@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: moving KV blocks between engine instances."""

@@ -1,0 +1,361 @@
+"""The worker side of the ZMQ transport: a block server (producer) or a puller (consumer).
+
+Producer: a thread answers `KVReadRequest`s on a ROUTER socket with one K and one V frame
+per layer, but only for blocks of a transfer that is pinned right now. Pins change only
+through `update_pins`, which the worker runs before any later step, under the lock the
+server holds while copying: a block is never read after the scheduler let it go.
+
+Consumer: a thread sends reads to the producers' ranks holding this rank's heads, waits with
+a deadline, checks dtype and shapes, and keeps the result in host memory. The model's
+thread writes it into the cache only when the scheduler says `load`, before the forward pass
+of the step that first runs the request, so no write ever races a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from tidegate.engine.core.messages import (
+    KVConnectorMetadata,
+    KVReadReply,
+    KVReadRequest,
+    KVRecvDone,
+    KVRecvSpec,
+    KVWorkerConfig,
+)
+from tidegate.engine.kv_transfer.base import KVConnectorWorker
+from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
+from tidegate.engine.kv_transfer.zmq_scheduler import _bind, _bracket
+
+logger = logging.getLogger(__name__)
+# Received frames are read-only; they are copied into the assembled tensors at once.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+_STOP = b"stop"
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Pull:
+    """One request's reads on this rank: one per producer rank holding some of its heads."""
+
+    spec: KVRecvSpec
+    sources: list[HeadSource]
+    started: float
+    deadline: float
+    replies: dict[int, list[zmq.Frame]] = field(default_factory=dict)  # source index -> frames
+
+
+class ZmqConnectorWorker(KVConnectorWorker):
+    """One rank's block server or puller."""
+
+    def __init__(
+        self,
+        config: KVWorkerConfig,
+        rank: int,
+        tp_size: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.tp_size = tp_size
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        self.kv_caches: KVCaches = []
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._wake_address = f"inproc://kv-worker-{uuid.uuid4().hex[:12]}"
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(self._wake_address)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.connect(self._wake_address)
+        # Producer: transfer id -> the block ids it may serve.
+        self._pins: dict[str, frozenset[int]] = {}
+        self._server: zmq.Socket | None = None
+        self._data_port = 0
+        # Consumer: pulls the thread is working on, finished ones, and ones to drop.
+        self._new_pulls: queue.SimpleQueue[KVRecvSpec] = queue.SimpleQueue()
+        self._in_flight: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._ready: dict[str, tuple[list[int], KVCaches]] = {}
+        self._events: zmq.Socket | None = None
+        if config.role == "producer":
+            self._server = self._ctx.socket(zmq.ROUTER)
+            self._data_port = _bind(
+                self._server, config.data_port + rank if config.data_port else 0
+            )
+            target = self._serve
+        else:
+            self._events = self._ctx.socket(zmq.PUSH)
+            self._events.connect(config.events_address)
+            target = self._pull_loop
+        self._thread = threading.Thread(target=target, name=f"kv-{config.role}", daemon=True)
+        self._thread.start()
+        self._stopped = False
+
+    @property
+    def data_port(self) -> int:
+        return self._data_port
+
+    @property
+    def local_heads(self) -> int:
+        return heads_of_rank(self.num_kv_heads, self.tp_size, self.rank)[1]
+
+    def register_kv_caches(self, kv_caches: KVCaches) -> None:
+        with self._lock:
+            self.kv_caches = kv_caches
+
+    # -- producer ---------------------------------------------------------------------------
+
+    def update_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:
+        with self._lock:  # waits for a read in progress to finish copying
+            for transfer_id in unpin:
+                self._pins.pop(transfer_id, None)
+            for transfer_id, block_ids in pin.items():
+                self._pins[transfer_id] = frozenset(block_ids)
+
+    def _serve(self) -> None:
+        assert self._server is not None
+        poller = zmq.Poller()
+        poller.register(self._server, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        decoder = msgspec.msgpack.Decoder(KVReadRequest)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._wake_recv in ready:
+                    return
+                identity, tag, payload = self._server.recv_multipart()
+                try:
+                    request = decoder.decode(payload)
+                except msgspec.DecodeError:
+                    reply, frames = KVReadReply(ok=False, error="malformed read request"), []
+                else:
+                    reply, frames = self._read(request)
+                self._server.send_multipart(
+                    [identity, tag, encoder.encode(reply), *frames], copy=False
+                )
+        except Exception:
+            logger.exception("the KV block server of rank %d failed", self.rank)
+        finally:
+            self._server.close(linger=0)
+            self._wake_recv.close(linger=0)
+
+    def _read(self, request: KVReadRequest) -> tuple[KVReadReply, list[memoryview]]:
+        """Copy the asked blocks and heads of every layer, if the transfer is still pinned."""
+        with self._lock:
+            allowed = self._pins.get(request.transfer_id)
+            if allowed is None:
+                return KVReadReply(ok=False, error="transfer not pinned (released or expired)"), []
+            if not allowed.issuperset(request.block_ids):
+                return KVReadReply(ok=False, error="blocks outside the pinned transfer"), []
+            if not 0 <= request.head_start < request.head_end <= self.local_heads:
+                return KVReadReply(ok=False, error="heads outside this rank's share"), []
+            index = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
+            frames: list[memoryview] = []
+            dtype = shape = None
+            for k_cache, v_cache in self.kv_caches:
+                for cache in (k_cache, v_cache):
+                    part = cache.index_select(0, index)[:, :, request.head_start : request.head_end]
+                    part = part.contiguous().cpu()
+                    dtype, shape = str(part.dtype), list(part.shape)
+                    frames.append(memoryview(part.view(torch.uint8).numpy()))
+        return KVReadReply(ok=True, dtype=dtype or "", shape=shape or []), frames
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def handle(self, meta: KVConnectorMetadata) -> None:
+        with self._lock:
+            for req_id in meta.discard:
+                if self._ready.pop(req_id, None) is None and req_id in self._in_flight:
+                    self._cancelled.add(req_id)
+            for spec in meta.recv:
+                self._in_flight.add(spec.req_id)
+                self._cancelled.discard(spec.req_id)
+        for spec in meta.recv:
+            self._new_pulls.put(spec)
+        if meta.recv:
+            self._wake_send.send(b"")
+        for req_id in meta.load:
+            with self._lock:
+                entry = self._ready.pop(req_id, None)
+            if entry is None:
+                raise RuntimeError(f"the scheduler loads KV for {req_id!r}, which was not pulled")
+            self._write(*entry)
+
+    def _write(self, block_ids: list[int], pulled: KVCaches) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (k_cache, v_cache), (k, v) in zip(self.kv_caches, pulled, strict=True):
+            k_cache.index_copy_(0, index, k.to(self.device))
+            v_cache.index_copy_(0, index, v.to(self.device))
+
+    def _pull_loop(self) -> None:
+        assert self._events is not None
+        # Only this thread touches these.
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_recv, zmq.POLLIN)
+        self._peers: dict[tuple[str, int], zmq.Socket] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._waiting: dict[bytes, tuple[str, int]] = {}  # tag -> (request, source index)
+        self._tags = itertools.count()
+        try:
+            while True:
+                now = time.monotonic()
+                for req_id in [r for r, p in self._pulls.items() if p.deadline <= now]:
+                    self._fail(self._pulls.pop(req_id), "timed out", drop_peers=True)
+                next_deadline = min((p.deadline for p in self._pulls.values()), default=None)
+                timeout = None if next_deadline is None else max(0.0, next_deadline - now) * 1000
+                for sock, _ in self._poller.poll(timeout):
+                    if sock is self._wake_recv:
+                        if self._wake_recv.recv() == _STOP:
+                            return
+                    else:
+                        self._receive(sock)
+                while True:
+                    try:
+                        self._start(self._new_pulls.get_nowait())
+                    except queue.Empty:
+                        break
+        except Exception:
+            logger.exception("the KV puller of rank %d failed", self.rank)
+        finally:
+            for sock in (*self._peers.values(), self._events, self._wake_recv):
+                sock.close(linger=0)
+
+    def _start(self, spec: KVRecvSpec) -> None:
+        """Send this rank's reads of one request to the producer ranks holding its heads."""
+        now = time.monotonic()
+        pull = _Pull(spec, [], now, now + self.config.timeout_s)
+        try:
+            pull.sources = head_sources(
+                self.num_kv_heads, len(spec.data_ports), self.tp_size, self.rank
+            )
+        except ValueError as error:
+            self._fail(pull, str(error))
+            return
+        self._pulls[spec.req_id] = pull
+        for index, source in enumerate(pull.sources):
+            address = (spec.host, spec.data_ports[source.rank])
+            sock = self._peers.get(address)
+            if sock is None:
+                sock = self._peers[address] = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{_bracket(address[0])}:{address[1]}")
+                self._poller.register(sock, zmq.POLLIN)
+            tag = next(self._tags).to_bytes(8, "little")
+            self._waiting[tag] = (spec.req_id, index)
+            read = KVReadRequest(spec.transfer_id, spec.remote_block_ids, *source[1:3])
+            sock.send_multipart([tag, msgspec.msgpack.encode(read)])
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        tag, *frames = sock.recv_multipart(copy=False)
+        owner = self._waiting.pop(tag.bytes, None)
+        if owner is None or owner[0] not in self._pulls:
+            return  # a reply to a pull that already failed
+        pull = self._pulls[owner[0]]
+        pull.replies[owner[1]] = frames
+        if len(pull.replies) == len(pull.sources):
+            del self._pulls[owner[0]]
+            self._complete(pull)
+
+    def _complete(self, pull: _Pull) -> None:
+        """Check and assemble the replies of a pull; keep it for `load`, or report why not."""
+        spec = pull.spec
+        try:
+            pulled = self._assemble(pull)
+        except ValueError as error:
+            self._fail(pull, str(error))
+            return
+        num_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in pulled)
+        with self._lock:
+            self._in_flight.discard(spec.req_id)
+            if spec.req_id in self._cancelled:
+                self._cancelled.discard(spec.req_id)
+                return
+            self._ready[spec.req_id] = (spec.local_block_ids, pulled)
+        self._report(pull, ok=True, num_bytes=num_bytes)
+
+    def _assemble(self, pull: _Pull) -> KVCaches:
+        k_local = self.kv_caches[0][0]
+        n = len(pull.spec.local_block_ids)
+        shape = (n, k_local.shape[1], self.local_heads, k_local.shape[3])
+        out = [
+            (torch.empty(shape, dtype=k_local.dtype), torch.empty(shape, dtype=k_local.dtype))
+            for _ in self.kv_caches
+        ]
+        decoder = msgspec.msgpack.Decoder(KVReadReply)
+        for index, source in enumerate(pull.sources):
+            header, *frames = pull.replies[index]
+            reply = decoder.decode(header.buffer)
+            if not reply.ok:
+                raise ValueError(f"producer rank {source.rank}: {reply.error}")
+            heads = source.src_end - source.src_start
+            want = [n, shape[1], heads, shape[3]]
+            if reply.dtype != str(k_local.dtype) or reply.shape != want:
+                raise ValueError(
+                    f"producer sent {reply.dtype} {reply.shape}; this rank caches "
+                    f"{k_local.dtype} {want} (different model, dtype or block size)"
+                )
+            if len(frames) != 2 * len(self.kv_caches):
+                raise ValueError(f"producer sent {len(frames)} frames for {len(out)} layers")
+            dst = slice(source.dst_start, source.dst_start + heads)
+            for layer, (k, v) in enumerate(out):
+                for target, frame in ((k, frames[2 * layer]), (v, frames[2 * layer + 1])):
+                    part = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+                    target[:, :, dst] = part.view(k_local.dtype).view(want)
+        return out
+
+    def _fail(self, pull: _Pull, reason: str, drop_peers: bool = False) -> None:
+        for tag in [t for t, (rid, _) in self._waiting.items() if rid == pull.spec.req_id]:
+            del self._waiting[tag]
+        if drop_peers:
+            # Reads queued on a silent peer's socket would be answered late or never: the
+            # next pull starts on a fresh connection.
+            for source in pull.sources:
+                address = (pull.spec.host, pull.spec.data_ports[source.rank])
+                sock = self._peers.pop(address, None)
+                if sock is not None:
+                    self._poller.unregister(sock)
+                    sock.close(linger=0)
+        with self._lock:
+            self._in_flight.discard(pull.spec.req_id)
+            self._cancelled.discard(pull.spec.req_id)
+        self._report(pull, ok=False, error=reason)
+
+    def _report(self, pull: _Pull, ok: bool, num_bytes: int = 0, error: str = "") -> None:
+        if not ok:
+            logger.warning(
+                "KV pull of %s failed on rank %d: %s", pull.spec.req_id, self.rank, error
+            )
+        assert self._events is not None
+        done = KVRecvDone(
+            req_id=pull.spec.req_id,
+            rank=self.rank,
+            ok=ok,
+            num_bytes=num_bytes,
+            seconds=time.monotonic() - pull.started,
+            error=error,
+        )
+        self._events.send(msgspec.msgpack.encode(done))
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wake_send.send(_STOP)
+        self._thread.join(timeout=5.0)
+        self._wake_send.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,1 @@
+"""`tidegate router`: the prefill/decode proxy in front of disaggregated engine pools."""

@@ -1,0 +1,167 @@
+"""The router's HTTP surface: the OpenAI completion routes, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tidegate.engine.config import RouterArgs
+from tidegate.engine.entrypoints.openai.errors import (
+    CLIENT_CLOSED_REQUEST,
+    OpenAIError,
+    error_response,
+    to_openai_error,
+)
+from tidegate.engine.router import errors
+from tidegate.engine.router.health import HealthMonitor
+from tidegate.engine.router.proxy import Proxy
+from tidegate.engine.router.relay import wait_for_disconnect
+from tidegate.engine.router.rewrite import CHAT_PATH, COMPLETIONS_PATH
+
+logger = logging.getLogger("tidegate.router")
+
+ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, "/v1/models", "/health", "/live", "/metrics")
+
+
+def build_app(args: RouterArgs) -> Starlette:
+    """The router as an ASGI app; its lifespan runs the HTTP client and the health checks."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Internal traffic: no HTTP(S)_PROXY from the environment, no cap on connections
+        # (a pool limit would queue requests inside the router, invisible to every metric).
+        # Idle connections are dropped well before uvicorn's 5 s keep-alive timeout, so that
+        # the router never reuses one the engine is closing and takes that for a dead engine.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+        )
+        async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+            proxy = Proxy(args, client)
+            seeds = {"prefill": args.prefill, "decode": args.decode}
+            monitor = HealthMonitor(
+                proxy.pools, seeds, client, args.health_interval, args.connect_timeout
+            )
+            # One round before serving, so that /health and the first requests are right.
+            await monitor.run_round()
+            app.state.proxy = proxy
+            checking = asyncio.create_task(monitor.run(), name="router-health")
+            try:
+                yield
+            finally:
+                checking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checking
+
+    routes = [
+        Route(COMPLETIONS_PATH, _completion, methods=["POST"]),
+        Route(CHAT_PATH, _completion, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/live", _live, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ]
+    handlers = {
+        OpenAIError: _openai_error,
+        HTTPException: _http_error,
+        Exception: _unexpected_error,
+    }
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+async def _completion(request: Request) -> Response:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as error:
+        return error_response(errors.not_json(str(error)))
+    if not isinstance(body, dict):
+        return error_response(errors.not_json(f"got a JSON {type(body).__name__}"))
+    proxy: Proxy = request.app.state.proxy
+    return await _unless_disconnected(
+        request, proxy.completion(request.url.path, body, _upstream_headers(request))
+    )
+
+
+async def _models(request: Request) -> Response:
+    proxy: Proxy = request.app.state.proxy
+    return await _unless_disconnected(request, proxy.models(_upstream_headers(request)))
+
+
+async def _health(request: Request) -> Response:
+    proxy: Proxy = request.app.state.proxy
+    for pool in proxy.pools.values():
+        if not pool.healthy():
+            return error_response(errors.no_instance(pool, proxy.retry_after_s))
+    counts = {role: len(pool.healthy()) for role, pool in proxy.pools.items()}
+    return JSONResponse({"status": "ok", "healthy": counts})
+
+
+async def _live(request: Request) -> Response:
+    # For a liveness probe: the router itself runs, whatever the state of the engines.
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(request: Request) -> Response:
+    proxy: Proxy = request.app.state.proxy
+    content, content_type = proxy.metrics.render()
+    return Response(content, headers={"content-type": content_type})
+
+
+def _upstream_headers(request: Request) -> dict[str, str]:
+    """What both legs carry: one request id for the client's request, and its credentials."""
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": request.headers.get("x-request-id") or uuid.uuid4().hex,
+    }
+    if "authorization" in request.headers:
+        headers["authorization"] = request.headers["authorization"]
+    return headers
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """The work's response; cancelled (closing its upstream connections) if the client leaves.
+
+    Until a response starts, nothing else watches the client: without this a client that
+    gives up would leave its prefill, or a non-streamed generation, running to the end.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _openai_error(request: Request, exc: Exception) -> Response:
+    return error_response(to_openai_error(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, HTTPException) and exc.status_code == 404:
+        paths = ", ".join(ROUTED_PATHS)
+        message = f"no route {request.method} {request.url.path}; the router serves {paths}"
+        return error_response(OpenAIError(404, message, code="not_found"))
+    return error_response(to_openai_error(exc))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.error("unexpected error serving %s", request.url.path, exc_info=exc)
+    return error_response(to_openai_error(exc))

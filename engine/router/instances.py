@@ -1,0 +1,88 @@
+"""The prefill or decode instances the router knows, their health and their load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
+
+from tidegate.engine.router.selection import Selector
+
+logger = logging.getLogger("tidegate.router")
+
+
+@dataclass(eq=False)
+class Instance:
+    """One engine server: its base URL, whether it answers, and how busy it is."""
+
+    role: str
+    url: str
+    healthy: bool = False
+    # Requests this router has sent and not yet seen finish.
+    in_flight: int = 0
+    # Requests the instance reported (running + waiting) that are not this router's: other
+    # router replicas' and anyone calling it directly; refreshed at every health check.
+    external_load: float = 0.0
+    last_error: str | None = None
+
+    @property
+    def load(self) -> float:
+        """What selection compares: our own in-flight requests plus everyone else's."""
+        return self.in_flight + self.external_load
+
+    def endpoint(self, path: str) -> str:
+        """The absolute URL of `path` on this instance."""
+        return self.url.rstrip("/") + path
+
+
+class InstancePool:
+    """All instances of one role; membership follows discovery, health follows checks."""
+
+    def __init__(self, role: str, selector: Selector | None = None) -> None:
+        self.role = role
+        self.selector = selector or Selector()
+        self._instances: dict[str, Instance] = {}
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(list(self._instances.values()))
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def set_urls(self, urls: Iterable[str]) -> None:
+        """Make the pool hold exactly these instances, keeping the state of those it had."""
+        wanted = list(dict.fromkeys(urls))
+        for url in list(self._instances):
+            if url not in wanted:
+                logger.info("%s instance %s is gone from discovery", self.role, url)
+                del self._instances[url]
+        for url in wanted:
+            if url not in self._instances:
+                logger.info("%s instance %s discovered", self.role, url)
+                # Unhealthy until its first check passes: a pod that is still loading its
+                # weights must not receive requests.
+                self._instances[url] = Instance(self.role, url)
+
+    def healthy(self) -> list[Instance]:
+        """The instances that passed their last check and have not failed since."""
+        return [i for i in self._instances.values() if i.healthy]
+
+    def pick(self, key: str, exclude: Collection[str] = ()) -> Instance | None:
+        """The healthy instance to send a request with this affinity key to, if any."""
+        loads = {i.url: i.load for i in self.healthy() if i.url not in exclude}
+        url = self.selector.choose(key, loads)
+        return None if url is None else self._instances[url]
+
+    def mark_healthy(self, instance: Instance) -> None:
+        """Take an instance (back) into rotation."""
+        if not instance.healthy:
+            logger.info("%s instance %s is healthy", self.role, instance.url)
+        instance.healthy = True
+        instance.last_error = None
+
+    def mark_down(self, instance: Instance, reason: str) -> None:
+        """Take an instance out of rotation until a health check passes again."""
+        if instance.healthy or instance.last_error is None:  # up before, or never checked
+            logger.warning("%s instance %s is down: %s", self.role, instance.url, reason)
+        instance.healthy = False
+        instance.last_error = reason

@@ -1,0 +1,78 @@
+"""The router's own Prometheus metrics, under `tidegate:router_`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tidegate.engine.router.instances import InstancePool
+
+PREFIX = "tidegate:router_"
+
+# From a one-token prefill of a short prompt to a long generation on the decode leg.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    """Requests per leg and status, leg latency, prefill skips, and each backend's state."""
+
+    def __init__(self, pools: Sequence[InstancePool]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Upstream requests by leg (prefill, decode, models) and HTTP status ('error' when "
+            "no status came back).",
+            labelnames=("leg", "code"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            PREFIX + "request_latency_seconds",
+            "Seconds from sending a leg's request to the end of its response.",
+            labelnames=("leg",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_skipped = Counter(
+            PREFIX + "prefill_skipped",
+            "Requests sent straight to a decode instance (n > 1 or a batch of prompts).",
+            registry=self.registry,
+        )
+        self.registry.register(_BackendCollector(pools))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _BackendCollector(Collector):
+    """Reads the pools at scrape time, so that instances dropped by discovery disappear."""
+
+    def __init__(self, pools: Sequence[InstancePool]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            PREFIX + "backend_up",
+            "1 while an instance passes its health checks.",
+            labels=("role", "url"),
+        )
+        in_flight = GaugeMetricFamily(
+            PREFIX + "backend_in_flight",
+            "Requests this router has in flight on an instance.",
+            labels=("role", "url"),
+        )
+        for pool in self._pools:
+            for instance in pool:
+                up.add_metric((pool.role, instance.url), 1.0 if instance.healthy else 0.0)
+                in_flight.add_metric((pool.role, instance.url), instance.in_flight)
+        yield up
+        yield in_flight

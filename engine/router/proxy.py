@@ -1,0 +1,160 @@
+"""One client request through the two legs: prefill on one instance, decode on another."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+
+from tidegate.engine.config import RouterArgs
+from tidegate.engine.router import errors
+from tidegate.engine.router.instances import Instance, InstancePool
+from tidegate.engine.router.metrics import RouterMetrics
+from tidegate.engine.router.relay import Outcome, RelayResponse, relayed_headers
+from tidegate.engine.router.rewrite import (
+    client_body,
+    decode_body,
+    needs_prefill,
+    prefill_body,
+)
+from tidegate.engine.router.selection import affinity_key
+
+logger = logging.getLogger("tidegate.router")
+
+
+class Proxy:
+    """Sends each leg to a chosen instance, failing over to another when one is down."""
+
+    def __init__(self, args: RouterArgs, client: httpx.AsyncClient) -> None:
+        self.pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
+        self.metrics = RouterMetrics(list(self.pools.values()))
+        self.client = client
+        self.retry_after_s = args.health_interval
+        self.prefill_timeout = httpx.Timeout(args.prefill_timeout, connect=args.connect_timeout)
+        # No read timeout on the decode leg: a generation may take as long as it takes.
+        self.decode_timeout = httpx.Timeout(None, connect=args.connect_timeout)
+        self.models_timeout = httpx.Timeout(30.0, connect=args.connect_timeout)
+
+    async def completion(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> Response:
+        """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
+        key = affinity_key(body) or headers["x-request-id"]
+        if not needs_prefill(path, body):
+            self.metrics.prefill_skipped.inc()
+            return await self._decode(path, client_body(body), headers, key)
+        if not self.pools["decode"].healthy():
+            # Fail before the prefill leg: its KV blocks would wait for a decode that never comes.
+            raise errors.no_instance(self.pools["decode"], self.retry_after_s)
+        started = time.monotonic()
+        instance, response = await self._send(
+            "prefill", "POST", path, prefill_body(path, body), headers, key, self.prefill_timeout
+        )
+        self.metrics.latency.labels("prefill").observe(time.monotonic() - started)
+        if response.status_code >= 300:
+            # 4xx: the client's request is wrong (bad model, bad params, prompt too long);
+            # the decode instance would say the same.
+            return _copy(response)
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise errors.bad_gateway(
+                f"prefill instance {instance.url} answered {path} with no JSON object"
+            ) from None
+        if params is None:
+            logger.warning("prefill instance %s returned no kv_transfer_params", instance.url)
+        return await self._decode(path, decode_body(body, params), headers, key)
+
+    async def models(self, headers: Mapping[str, str]) -> Response:
+        """GET /v1/models from a decode instance: the names clients may use."""
+        key = headers["x-request-id"]
+        _, response = await self._send(
+            "decode", "GET", "/v1/models", None, headers, key, self.models_timeout, leg="models"
+        )
+        return _copy(response)
+
+    async def _decode(
+        self, path: str, body: dict[str, Any], headers: Mapping[str, str], key: str
+    ) -> Response:
+        started = time.monotonic()
+        instance, response = await self._send(
+            "decode", "POST", path, body, headers, key, self.decode_timeout, stream=True
+        )
+        pool = self.pools["decode"]
+
+        async def on_close(outcome: Outcome) -> None:
+            instance.in_flight -= 1
+            self.metrics.latency.labels("decode").observe(time.monotonic() - started)
+            if outcome == "broken":
+                pool.mark_down(instance, "broke off a response part-way")
+
+        return RelayResponse(response, on_close)
+
+    async def _send(
+        self,
+        role: str,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        headers: Mapping[str, str],
+        key: str,
+        timeout: httpx.Timeout,
+        stream: bool = False,
+        leg: str | None = None,
+    ) -> tuple[Instance, httpx.Response]:
+        """The first response below 500 from a healthy instance, trying each at most once.
+
+        A streamed response keeps its instance's in-flight count until the caller releases
+        it; otherwise the count is released here.
+        """
+        pool: InstancePool = self.pools[role]
+        leg = leg or role
+        content = None if body is None else json.dumps(body).encode()
+        tried: set[str] = set()
+        while (instance := pool.pick(key, exclude=tried)) is not None:
+            tried.add(instance.url)
+            request = self.client.build_request(
+                method, instance.endpoint(path), content=content, headers=headers, timeout=timeout
+            )
+            instance.in_flight += 1
+            try:
+                response = await self.client.send(request, stream=stream)
+            except (httpx.ConnectTimeout, httpx.ConnectError) as error:
+                self._failed(pool, instance, leg, f"cannot connect: {error!r}")
+                continue
+            except httpx.TimeoutException:
+                instance.in_flight -= 1
+                self.metrics.requests.labels(leg, "timeout").inc()
+                raise errors.gateway_timeout(role, instance.url, timeout.read or 0) from None
+            except httpx.TransportError as error:
+                # It accepted the connection and then dropped it: the process died.
+                self._failed(pool, instance, leg, f"dropped the connection: {error!r}")
+                continue
+            except BaseException:  # cancelled: the client went away
+                instance.in_flight -= 1
+                raise
+            self.metrics.requests.labels(leg, str(response.status_code)).inc()
+            if response.status_code >= 500:
+                await response.aclose()
+                instance.in_flight -= 1
+                pool.mark_down(instance, f"{method} {path} answered {response.status_code}")
+                continue
+            if not stream:
+                instance.in_flight -= 1
+            return instance, response
+        raise errors.no_instance(pool, self.retry_after_s)
+
+    def _failed(self, pool: InstancePool, instance: Instance, leg: str, reason: str) -> None:
+        instance.in_flight -= 1
+        self.metrics.requests.labels(leg, "error").inc()
+        pool.mark_down(instance, reason)
+
+
+def _copy(response: httpx.Response) -> Response:
+    """A read upstream response as the client's response."""
+    return Response(response.content, response.status_code, headers=relayed_headers(response))

@@ -1,0 +1,68 @@
+"""Which instance serves a request: prefix affinity by rendezvous hashing, bounded by load.
+
+Requests that share a long prompt prefix should land on the instance that already holds its
+KV blocks in its prefix cache. Rendezvous (highest-random-weight) hashing gives every
+request key a stable preference order over the instances, and adding or removing one
+instance moves only the keys that ranked it first. Affinity yields to load: a hot prefix
+must not pile every request onto one instance while others idle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Enough of a prompt to tell shared system prompts and few-shot preambles apart, cheap to hash.
+AFFINITY_PREFIX_CHARS = 512
+
+
+def affinity_key(body: Mapping[str, Any]) -> str | None:
+    """The leading prompt text of a request body (chat messages or a completion prompt)."""
+    if "messages" in body:
+        prompt: Any = body["messages"]
+    elif "prompt" in body:
+        prompt = body["prompt"]
+    else:
+        return None
+    if not isinstance(prompt, str):
+        # A canonical serialization, so that equal messages give equal keys whatever the
+        # key order the client's JSON library chose.
+        prompt = json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return prompt[:AFFINITY_PREFIX_CHARS]
+
+
+def rendezvous_order(key: str, urls: Sequence[str]) -> list[str]:
+    """The instances in the key's order of preference (stable across processes and runs)."""
+    return sorted(urls, key=lambda url: (_weight(key, url), url), reverse=True)
+
+
+def _weight(key: str, url: str) -> int:
+    digest = hashlib.sha256(f"{key}\0{url}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Chooses among instances by affinity, unless that instance is too loaded.
+
+    An instance may carry at most `slack + slack_ratio * least` more load than the least
+    loaded one; the first instance in the key's rendezvous order within that bound wins, so
+    an overflowing prefix spills to its second choice, consistently, not to a random one.
+    """
+
+    slack: float = 2.0
+    slack_ratio: float = 0.25
+
+    def choose(self, key: str, loads: Mapping[str, float]) -> str | None:
+        """The URL to send a request with this key to, given each candidate's load."""
+        if not loads:
+            return None
+        least = min(loads.values())
+        bound = least + self.slack + self.slack_ratio * least
+        for url in rendezvous_order(key, list(loads)):
+            if loads[url] <= bound:
+                return url
+        raise AssertionError("the least loaded instance is always within the bound")
