@@ -212,6 +212,15 @@ def _config_text(title: str, values: dict[str, Any], reasons: dict[str, str]) ->
     return "\n".join(lines) + "\n"
 
 
+def kv_ports(tuning: RoleTuning) -> list[dict[str, Any]]:
+    """A producer's KV ports: per engine core, its side channel, then one per TP rank."""
+    first = EngineArgs.model_fields["kv_port"].default
+    count = tuning.data_parallel_size_local.value * (tuning.tensor_parallel_size.value + 1)
+    return [
+        {"name": "kv" if k == 0 else f"kv-{k}", "containerPort": first + k} for k in range(count)
+    ]
+
+
 def _health_check() -> dict[str, Any]:
     return {"httpGet": {"path": "/health", "port": "http"}}
 
@@ -293,9 +302,7 @@ class _Context:
         if resources:
             container["resources"] = resources
         if role == "prefill":
-            container["ports"].append(
-                {"name": "kv", "containerPort": EngineArgs.model_fields["kv_port"].default}
-            )
+            container["ports"].extend(kv_ports(tuning))
         container.update(self.probes())
         volumes, mounts, init = self.model_volume()
         container["volumeMounts"].extend(mounts)

@@ -38,6 +38,12 @@ def serve_command(model: str | Path, *flags: str, port: int) -> list[str]:
     return [*command, "--port", str(port), *flags]
 
 
+def router_command(prefill: list[str], decode: list[str], *flags: str, port: int) -> list[str]:
+    """`tidegate router --prefill URLS --decode URLS --host 127.0.0.1 --port PORT FLAGS...`."""
+    command = [*tidegate_command(), "router", "--prefill", *prefill, "--decode", *decode]
+    return [*command, "--host", "127.0.0.1", "--port", str(port), *flags]
+
+
 class LocalServer:
     """One server process (its own session, so a stray signal cannot reach the caller)."""
 
@@ -75,6 +81,19 @@ class LocalServer:
         """A `tidegate serve` of `model` with these flags (on a free port unless given)."""
         port = port or free_port()
         return cls(serve_command(model, *flags, port=port), port, log=log)
+
+    @classmethod
+    def tidegate_router(
+        cls,
+        prefill: list[str],
+        decode: list[str],
+        *flags: str,
+        log: IO | Path | None = None,
+        port: int | None = None,
+    ) -> LocalServer:
+        """A `tidegate router` in front of these instances (on a free port unless given)."""
+        port = port or free_port()
+        return cls(router_command(prefill, decode, *flags, port=port), port, log=log)
 
     def log(self) -> str:
         """What the server printed so far (when it logs to a file)."""

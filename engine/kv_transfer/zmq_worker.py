@@ -3,7 +3,10 @@
 Producer: a thread answers `KVReadRequest`s on a ROUTER socket with one K and one V frame
 per layer, but only for blocks of a transfer that is pinned right now. Pins change only
 through `update_pins`, which the worker runs before any later step, under the lock the
-server holds while copying: a block is never read after the scheduler let it go.
+server holds while copying: a block is never read after the scheduler let it go. A read may
+arrive before its pin does (the engine core tells its workers and, through the API, the
+consumer at about the same time); it waits a few seconds for the pin, without holding up
+other reads, unless the transfer is known to be released.
 
 Consumer: a thread sends reads to the producers' ranks holding this rank's heads, waits with
 a deadline, checks dtype and shapes, and keeps the result in host memory. The model's
@@ -13,6 +16,7 @@ of the step that first runs the request, so no write ever races a step.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -43,6 +47,9 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _STOP = b"stop"
+_PINS = b"pins"
+# How long a read waits for the pin of a transfer this rank has not heard of.
+_EARLY_READ_WAIT_S = 5.0
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -83,6 +90,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._wake_send.connect(self._wake_address)
         # Producer: transfer id -> the block ids it may serve.
         self._pins: dict[str, frozenset[int]] = {}
+        # Recently unpinned transfers: a read of one fails at once instead of waiting.
+        self._released: collections.deque[str] = collections.deque(maxlen=4096)
         self._server: zmq.Socket | None = None
         self._data_port = 0
         # Consumer: pulls the thread is working on, finished ones, and ones to drop.
@@ -123,8 +132,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
         with self._lock:  # waits for a read in progress to finish copying
             for transfer_id in unpin:
                 self._pins.pop(transfer_id, None)
+                self._released.append(transfer_id)
             for transfer_id, block_ids in pin.items():
                 self._pins[transfer_id] = frozenset(block_ids)
+        if pin:
+            self._wake_send.send(_PINS)  # reads that came before their pin can go on
 
     def _serve(self) -> None:
         assert self._server is not None
@@ -132,33 +144,55 @@ class ZmqConnectorWorker(KVConnectorWorker):
         poller.register(self._server, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
         decoder = msgspec.msgpack.Decoder(KVReadRequest)
-        encoder = msgspec.msgpack.Encoder()
+        # A read can overtake its pin: the engine core tells this rank and the consumer at
+        # about the same time. Such reads wait here (not blocking others) for a while.
+        early: list[tuple[float, list[bytes], KVReadRequest]] = []
         try:
             while True:
-                ready = dict(poller.poll())
-                if self._wake_recv in ready:
-                    return
-                identity, tag, payload = self._server.recv_multipart()
-                try:
-                    request = decoder.decode(payload)
-                except msgspec.DecodeError:
-                    reply, frames = KVReadReply(ok=False, error="malformed read request"), []
-                else:
-                    reply, frames = self._read(request)
-                self._server.send_multipart(
-                    [identity, tag, encoder.encode(reply), *frames], copy=False
+                now = time.monotonic()
+                timeout = min((e[0] for e in early), default=None)
+                ready = dict(
+                    poller.poll(None if timeout is None else max(0.0, timeout - now) * 1e3)
                 )
+                if self._wake_recv in ready and self._wake_recv.recv() == _STOP:
+                    return
+                if self._server in ready:
+                    *route, payload = self._server.recv_multipart()
+                    try:
+                        request = decoder.decode(payload)
+                    except msgspec.DecodeError:
+                        self._answer(route, KVReadReply(ok=False, error="malformed read"), [])
+                    else:
+                        early.append((now + _EARLY_READ_WAIT_S, route, request))
+                waiting = []
+                for deadline, route, request in early:
+                    answer = self._read(request, give_up=time.monotonic() >= deadline)
+                    if answer is None:
+                        waiting.append((deadline, route, request))
+                    else:
+                        self._answer(route, *answer)
+                early = waiting
         except Exception:
             logger.exception("the KV block server of rank %d failed", self.rank)
         finally:
             self._server.close(linger=0)
             self._wake_recv.close(linger=0)
 
-    def _read(self, request: KVReadRequest) -> tuple[KVReadReply, list[memoryview]]:
-        """Copy the asked blocks and heads of every layer, if the transfer is still pinned."""
+    def _answer(self, route: list[bytes], reply: KVReadReply, frames: list[memoryview]) -> None:
+        assert self._server is not None
+        header = msgspec.msgpack.encode(reply)
+        self._server.send_multipart([*route, header, *frames], copy=False)
+
+    def _read(
+        self, request: KVReadRequest, give_up: bool
+    ) -> tuple[KVReadReply, list[memoryview]] | None:
+        """Copy the asked blocks and heads of every layer if the transfer is pinned; None to
+        wait for a pin that may not have arrived yet."""
         with self._lock:
             allowed = self._pins.get(request.transfer_id)
             if allowed is None:
+                if not give_up and request.transfer_id not in self._released:
+                    return None
                 return KVReadReply(ok=False, error="transfer not pinned (released or expired)"), []
             if not allowed.issuperset(request.block_ids):
                 return KVReadReply(ok=False, error="blocks outside the pinned transfer"), []

@@ -612,6 +612,12 @@ def test_prefill_pods_expose_the_kv_transport_port() -> None:
     split = render_spec({"model": model(), "topology": disaggregated()})
     kv_port = EngineArgs.model_fields["kv_port"].default
     prefill_ports = main_container(find(split, "Deployment", "llm-prefill"))["ports"]
+    config = role_config(split, "prefill")
+    tp = config.get("tensor-parallel-size", 1)
+    dp = config.get("data-parallel-size-local", 1)
+    # Per engine core: the side channel, then one block port per tensor-parallel rank.
+    kv = [p["containerPort"] for p in prefill_ports if p["name"].startswith("kv")]
+    assert kv == list(range(kv_port, kv_port + dp * (tp + 1)))
     assert {"name": "kv", "containerPort": kv_port} in prefill_ports
 
 

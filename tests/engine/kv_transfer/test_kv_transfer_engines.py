@@ -228,3 +228,31 @@ def test_a_dead_producer_times_out_into_a_local_prefill(tiny_llama_dir: Path) ->
         assert all_free(consumer)
     finally:
         consumer.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (1, 2)])
+def test_transfer_between_different_tensor_parallel_sizes(
+    tiny_llama_dir: Path, producer_tp: int, consumer_tp: int
+) -> None:
+    """Each consumer rank reads its KV heads from whichever producer rank holds them."""
+    unified = EngineCore(engine_args(tiny_llama_dir))
+    producer = EngineCore(
+        engine_args(tiny_llama_dir, kv_role="producer", tensor_parallel_size=producer_tp)
+    )
+    consumer = EngineCore(
+        engine_args(tiny_llama_dir, kv_role="consumer", tensor_parallel_size=consumer_tp)
+    )
+    try:
+        for length in (17, 130):
+            prompt = make_prompt(length, offset=5)
+            expected = drive(unified, Request(f"u{length}", prompt, greedy(12)))
+            params = prefill_remotely(producer, f"p{length}", prompt)
+            assert len(params["remote_data_ports"]) == producer_tp
+            got = decode_with(consumer, f"c{length}", prompt, params, n=12)
+            assert got == expected[f"u{length}"]["tokens"]
+        assert consumer.stats()["kv_transfer_fallbacks"] == 0
+        wait_until(lambda: all_free(producer, consumer), producer)
+    finally:
+        for engine in (unified, producer, consumer):
+            engine.shutdown()
