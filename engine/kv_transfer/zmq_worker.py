@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tidegate.engine.core.messages import (
     KVConnectorMetadata,
@@ -242,6 +243,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._poller = zmq.Poller()
         self._poller.register(self._wake_recv, zmq.POLLIN)
         self._peers: dict[tuple[str, int], zmq.Socket] = {}
+        # A monitor per peer socket: a refused or dropped connection fails its reads at once.
+        self._monitors: dict[zmq.Socket, tuple[str, int]] = {}
         self._pulls: dict[str, _Pull] = {}
         self._waiting: dict[bytes, tuple[str, int]] = {}  # tag -> (request, source index)
         self._tags = itertools.count()
@@ -256,6 +259,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
                     if sock is self._wake_recv:
                         if self._wake_recv.recv() == _STOP:
                             return
+                    elif sock in self._monitors:
+                        self._peer_event(sock)
                     else:
                         self._receive(sock)
                 while True:
@@ -266,8 +271,10 @@ class ZmqConnectorWorker(KVConnectorWorker):
         except Exception:
             logger.exception("the KV puller of rank %d failed", self.rank)
         finally:
-            for sock in (*self._peers.values(), self._events, self._wake_recv):
-                sock.close(linger=0)
+            for address in list(self._peers):
+                self._drop_peer(address)
+            self._events.close(linger=0)
+            self._wake_recv.close(linger=0)
 
     def _start(self, spec: KVRecvSpec) -> None:
         """Send this rank's reads of one request to the producer ranks holding its heads."""
@@ -283,16 +290,43 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._pulls[spec.req_id] = pull
         for index, source in enumerate(pull.sources):
             address = (spec.host, spec.data_ports[source.rank])
-            sock = self._peers.get(address)
-            if sock is None:
-                sock = self._peers[address] = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"tcp://{_bracket(address[0])}:{address[1]}")
-                self._poller.register(sock, zmq.POLLIN)
+            sock = self._peers.get(address) or self._connect(address)
             tag = next(self._tags).to_bytes(8, "little")
             self._waiting[tag] = (spec.req_id, index)
             read = KVReadRequest(spec.transfer_id, spec.remote_block_ids, *source[1:3])
             sock.send_multipart([tag, msgspec.msgpack.encode(read)])
+
+    def _connect(self, address: tuple[str, int]) -> zmq.Socket:
+        sock = self._peers[address] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+        self._monitors[monitor] = address
+        sock.connect(f"tcp://{_bracket(address[0])}:{address[1]}")
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        return sock
+
+    def _drop_peer(self, address: tuple[str, int]) -> None:
+        """Close a peer's socket and its monitor; the next read connects afresh."""
+        sock = self._peers.pop(address, None)
+        if sock is None:
+            return
+        monitor = next(m for m, a in self._monitors.items() if a == address)
+        del self._monitors[monitor]
+        for closing in (sock, monitor):
+            self._poller.unregister(closing)
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+    def _peer_event(self, monitor: zmq.Socket) -> None:
+        """A producer refused or dropped the connection: its reads will never be answered."""
+        address = self._monitors[monitor]
+        event = recv_monitor_message(monitor)["event"]
+        reason = "refused the connection" if event == zmq.EVENT_CONNECT_RETRIED else "hung up"
+        for rid in [rid for rid, pull in self._pulls.items() if address in _addresses(pull)]:
+            self._fail(self._pulls.pop(rid), f"producer {address[0]}:{address[1]} {reason}")
+        self._drop_peer(address)
 
     def _receive(self, sock: zmq.Socket) -> None:
         tag, *frames = sock.recv_multipart(copy=False)
@@ -358,12 +392,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         if drop_peers:
             # Reads queued on a silent peer's socket would be answered late or never: the
             # next pull starts on a fresh connection.
-            for source in pull.sources:
-                address = (pull.spec.host, pull.spec.data_ports[source.rank])
-                sock = self._peers.pop(address, None)
-                if sock is not None:
-                    self._poller.unregister(sock)
-                    sock.close(linger=0)
+            for address in _addresses(pull):
+                self._drop_peer(address)
         with self._lock:
             self._in_flight.discard(pull.spec.req_id)
             self._cancelled.discard(pull.spec.req_id)
@@ -393,3 +423,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._thread.join(timeout=5.0)
         self._wake_send.close(linger=0)
         self._ctx.term()
+
+
+def _addresses(pull: _Pull) -> set[tuple[str, int]]:
+    """The producer ranks' addresses a pull reads from."""
+    return {(pull.spec.host, pull.spec.data_ports[source.rank]) for source in pull.sources}

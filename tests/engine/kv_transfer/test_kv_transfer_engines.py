@@ -213,21 +213,26 @@ def test_unclaimed_pins_expire_after_the_timeout(tiny_llama_dir: Path) -> None:
         producer.shutdown()
 
 
-def test_a_dead_producer_times_out_into_a_local_prefill(tiny_llama_dir: Path) -> None:
-    consumer = EngineCore(engine_args(tiny_llama_dir, kv_role="consumer", kv_transfer_timeout=0.5))
+def test_a_dead_producer_is_noticed_at_once_and_the_prompt_computed_here(
+    tiny_llama_dir: Path,
+) -> None:
+    consumer = EngineCore(engine_args(tiny_llama_dir, kv_role="consumer", kv_transfer_timeout=30))
     producer = EngineCore(engine_args(tiny_llama_dir, kv_role="producer"))
+    unified = EngineCore(engine_args(tiny_llama_dir))
     try:
         prompt = make_prompt(45, offset=1)
         params = prefill_remotely(producer, "p-dead", prompt)
-        producer.shutdown()  # nobody answers on its ports any more
-        expected = drive(
-            EngineCore(engine_args(tiny_llama_dir)), Request("u-dead", prompt, greedy(10))
-        )
-        assert decode_with(consumer, "c-dead", prompt, params, n=10) == expected["u-dead"]["tokens"]
+        producer.shutdown()  # nobody listens on its ports any more
+        expected = drive(unified, Request("u-dead", prompt, greedy(10)))["u-dead"]["tokens"]
+        started = time.monotonic()
+        assert decode_with(consumer, "c-dead", prompt, params, n=10) == expected
+        # The refused connection fails the pull; nobody waits for the 30 s timeout.
+        assert time.monotonic() - started < 10.0
         assert consumer.stats()["kv_transfer_fallbacks"] == 1
         assert all_free(consumer)
     finally:
         consumer.shutdown()
+        unified.shutdown()
 
 
 @pytest.mark.slow

@@ -152,3 +152,19 @@ class socket_nobody_answers:
     def __exit__(self, *exc: object) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+def test_a_refused_connection_fails_the_pull_at_once(events) -> None:
+    address, sock = events
+    consumer = worker("consumer", address, timeout_s=30.0)
+    try:
+        consumer.register_kv_caches(caches(fill=False))
+        with socket_nobody_answers() as port:
+            pass  # closed again: nothing listens on the port now
+        started = time.monotonic()
+        consumer.handle(KVConnectorMetadata(recv=[spec("r", "t", port, [0], [0])]))
+        event = next_event(sock, timeout_s=5.0)
+        assert not event.ok and "refused" in event.error
+        assert time.monotonic() - started < 5.0  # not the 30 s timeout
+    finally:
+        consumer.shutdown()
