@@ -29,6 +29,11 @@ class LLM:
                 "LLM runs one engine core; data parallelism is a serving feature "
                 "(tidegate serve --data-parallel-size-local)"
             )
+        if self.args.kv_role != "none":
+            raise ValueError(
+                f"kv_role {self.args.kv_role!r}: KV transfer pairs serving instances behind "
+                "`tidegate router` (tidegate serve --kv-role); the offline LLM takes 'none'"
+            )
         self.engine = EngineCore(self.args)
         # Worker processes (tensor_parallel_size > 1) stop on close(), when this object is
         # collected, or at interpreter exit, whichever comes first.

@@ -170,6 +170,14 @@ def test_aborted_streams_and_a_killed_consumer_leave_no_block_held(
                 lines = r.iter_lines()
                 for _ in range(3):
                     next(lines)
+    # Clients that give up while their long prompt is still on the producer.
+    for i in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                proxy.base_url + "/v1/completions",
+                json={**body, "stream": False, "prompt": token_prompt(1500 + i)},
+                timeout=httpx.Timeout(0.05, connect=5.0),
+            )
     # A consumer dies after the prefill leg and before pulling: the pin waits for nobody.
     doomed = consumer(tiny_llama_dir, tmp_path)
     doomed.wait_healthy(90.0)

@@ -129,3 +129,10 @@ def test_pull_fails_at_the_first_failed_rank_and_ignores_late_reports() -> None:
     pulls.start("s", deadline=1.0)
     assert pulls.pop_expired(2.0) == ["s"]
     assert pulls.next_deadline() is None
+
+
+def test_the_offline_llm_refuses_a_kv_role(tiny_llama_dir) -> None:
+    from tidegate.engine import LLM
+
+    with pytest.raises(ValueError, match="tidegate router"):
+        LLM(str(tiny_llama_dir), kv_role="consumer")
