@@ -10,6 +10,7 @@ One thread owns every socket (ZMQ sockets are not thread-safe):
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -138,13 +139,16 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             self._close_sockets()
         with self._wake_lock:
             self._wake_send.close(linger=0)
-        self._ctx.term()
+        if self._thread is None or not self._thread.is_alive():
+            self._ctx.term()  # would wait forever on a thread that still holds sockets
 
     # -- the thread -----------------------------------------------------------------------
 
     def _wake(self, message: bytes) -> None:
-        with self._wake_lock:  # the engine core's threads share this end
-            self._wake_send.send(message)
+        # The engine core's threads share this end; never block them: a full pipe already
+        # holds a wake-up.
+        with self._wake_lock, contextlib.suppress(zmq.Again):
+            self._wake_send.send(message, zmq.NOBLOCK)
 
     def _run(self, sink: Callable[[KVEvent], None]) -> None:
         decoder = msgspec.msgpack.Decoder(KVEvent)

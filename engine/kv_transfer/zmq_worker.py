@@ -17,6 +17,7 @@ of the step that first runs the request, so no write ever races a step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -137,7 +138,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             for transfer_id, block_ids in pin.items():
                 self._pins[transfer_id] = frozenset(block_ids)
         if pin:
-            self._wake_send.send(_PINS)  # reads that came before their pin can go on
+            self._wake(_PINS)  # reads that came before their pin can go on
 
     def _serve(self) -> None:
         assert self._server is not None
@@ -223,7 +224,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         for spec in meta.recv:
             self._new_pulls.put(spec)
         if meta.recv:
-            self._wake_send.send(b"")
+            self._wake(b"")
         for req_id in meta.load:
             with self._lock:
                 entry = self._ready.pop(req_id, None)
@@ -294,7 +295,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
             tag = next(self._tags).to_bytes(8, "little")
             self._waiting[tag] = (spec.req_id, index)
             read = KVReadRequest(spec.transfer_id, spec.remote_block_ids, *source[1:3])
-            sock.send_multipart([tag, msgspec.msgpack.encode(read)])
+            try:
+                sock.send_multipart([tag, msgspec.msgpack.encode(read)], zmq.NOBLOCK)
+            except zmq.Again:  # thousands of reads queued: the producer is not reading them
+                self._fail(self._pulls.pop(spec.req_id), "producer not reading", drop_peers=True)
+                return
 
     def _connect(self, address: tuple[str, int]) -> zmq.Socket:
         sock = self._peers[address] = self._ctx.socket(zmq.DEALER)
@@ -419,10 +424,16 @@ class ZmqConnectorWorker(KVConnectorWorker):
         if self._stopped:
             return
         self._stopped = True
-        self._wake_send.send(_STOP)
+        self._wake(_STOP)
         self._thread.join(timeout=5.0)
         self._wake_send.close(linger=0)
-        self._ctx.term()
+        if not self._thread.is_alive():
+            self._ctx.term()  # would wait forever on a thread that still holds sockets
+
+    def _wake(self, message: bytes) -> None:
+        """Signal the thread; never blocks the model's thread (a full pipe already wakes it)."""
+        with contextlib.suppress(zmq.Again):
+            self._wake_send.send(message, zmq.NOBLOCK)
 
 
 def _addresses(pull: _Pull) -> set[tuple[str, int]]:
