@@ -410,7 +410,7 @@ class Scheduler:
         transfer_id = f"{request.request_id}~{next(self.kv.sequence)}"
         block_ids = self.kv_cache_manager.detach(request, transfer_id)
         deadline = time.monotonic() + self.kv.timeout_s
-        self.kv.pins.add(Pin(transfer_id, len(block_ids), deadline))
+        self.kv.pins.add(Pin(transfer_id, request.request_id, len(block_ids), deadline))
         self.kv.pin[transfer_id] = block_ids
         self.kv.pin_of_request[request.request_id] = transfer_id
         request.kv_transfer_params_out = self.kv.connector.transfer_params(
@@ -423,7 +423,8 @@ class Scheduler:
             return  # released already (a second notice, or after the timeout)
         self.kv_cache_manager.free_detached(transfer_id)
         self.kv.unpin.append(transfer_id)
-        self.kv.pin_of_request.pop(transfer_id.rpartition("~")[0], None)
+        if self.kv.pin_of_request.get(pin.request_id) == transfer_id:
+            del self.kv.pin_of_request[pin.request_id]
         if expired:
             self.kv.pins_expired += 1
             logger.warning("KV transfer %s expired; its blocks are freed", transfer_id)

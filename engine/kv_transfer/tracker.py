@@ -22,6 +22,7 @@ class Pin:
     """A finished producer request's blocks, held until a consumer has read them."""
 
     transfer_id: str
+    request_id: str
     num_blocks: int
     deadline: float
 

@@ -100,8 +100,8 @@ def test_same_tp_reads_one_rank_whole() -> None:
 
 def test_pin_table_expires_in_deadline_order() -> None:
     pins = PinTable()
-    pins.add(Pin("a", 3, deadline=10.0))
-    pins.add(Pin("b", 2, deadline=20.0))
+    pins.add(Pin("a", "ra", 3, deadline=10.0))
+    pins.add(Pin("b", "rb", 2, deadline=20.0))
     assert pins.num_blocks == 5
     assert pins.expired(15.0) == ["a"]
     assert pins.next_deadline() == 10.0
@@ -109,7 +109,7 @@ def test_pin_table_expires_in_deadline_order() -> None:
     assert pins.pop("a") is None  # a second notice is harmless
     assert pins.num_blocks == 2
     with pytest.raises(ValueError):
-        pins.add(Pin("b", 1, deadline=30.0))
+        pins.add(Pin("b", "rb", 1, deadline=30.0))
 
 
 def test_pull_completes_when_every_rank_reported() -> None:
