@@ -23,6 +23,7 @@ KINDS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("tidegate.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
 }
 

@@ -22,6 +22,7 @@ OWNED_KINDS = (
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 # Status keys kopf keeps for itself; we neither compare nor overwrite them.
 KOPF_STATUS_KEY = "kopf"

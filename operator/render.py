@@ -5,7 +5,8 @@ tests validate it against the upstream Kubernetes schemas.
 
 Unified: ConfigMap, Deployment, Service, PodDisruptionBudget. Disaggregated: ConfigMap,
 prefill and decode Deployments behind headless Services (the router resolves their pods),
-a router Deployment behind the public Service, and a PodDisruptionBudget per Deployment.
+a router Deployment behind the public Service, a PodDisruptionBudget per Deployment, and a
+NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods' KV ports.
 Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
 that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
 commented with its reason.
@@ -101,6 +102,7 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
             objects.append(ctx.service(f"{ctx.name}-{role}", role, ENGINE_PORT, headless=True))
         for role in ("prefill", "decode", "router"):
             objects.append(ctx.pdb(role))
+        objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
     return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource))
 
 
@@ -290,6 +292,37 @@ class _Context:
                 # Drains take one pod of a role at a time, so the endpoint keeps serving.
                 "maxUnavailable": 1,
                 "selector": {"matchLabels": selector_labels(self.name, component)},
+            },
+        }
+
+    def kv_network_policy(self, prefill: RoleTuning) -> dict[str, Any]:
+        """Prefill pods: http from anywhere, the KV ports only from this resource's decode pods.
+
+        A KV port serves raw cache blocks to whoever asks (no authentication), so the policy
+        guards those. Router and decode pods listen on http only (consumers dial producers,
+        never the reverse) and are not selected: a policy that selects a pod denies what it
+        does not list, and their http port has to stay open to the router, the kubelet's
+        probes and Prometheus alike, wherever those run.
+        """
+        kv = [{"protocol": "TCP", "port": p["containerPort"]} for p in kv_ports(prefill)]
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": self.metadata(f"{self.name}-kv", "prefill"),
+            "spec": {
+                "podSelector": {"matchLabels": selector_labels(self.name, "prefill")},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    # The router's legs, the kubelet's probes and metric scrapes.
+                    {"ports": [{"protocol": "TCP", "port": "http"}]},
+                    # No namespaceSelector: a podSelector alone means this namespace only.
+                    {
+                        "from": [
+                            {"podSelector": {"matchLabels": selector_labels(self.name, "decode")}}
+                        ],
+                        "ports": kv,
+                    },
+                ],
             },
         }
 

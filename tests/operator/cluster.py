@@ -33,6 +33,7 @@ _RESOURCES = {
     "v1/services": {"kind": "Service", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition",
         "namespaced": False,

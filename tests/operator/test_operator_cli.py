@@ -43,6 +43,7 @@ def test_plan_yaml_is_what_kubectl_would_apply(tmp_path: Path) -> None:
     objects = [d for d in yaml.safe_load_all(result.stdout) if d]
     kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
     assert "Deployment/tiny-disagg-router" in kinds
+    assert "NetworkPolicy/tiny-disagg-kv" in kinds
     assert {o["metadata"]["namespace"] for o in objects} == {"ml"}
     config = next(o for o in objects if o["kind"] == "ConfigMap")
     # The config files stay readable blocks, with each tuned flag's reason as a comment.

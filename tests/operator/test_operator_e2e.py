@@ -233,6 +233,22 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
     assert router["prefill"] == ["http://pd-prefill.default.svc:8000"]
     assert router["decode"] == ["http://pd-decode.default.svc:8000"]
     assert get(cluster, "Deployment", "pd") is None  # no unified pool
+    # The prefill pods' KV ports are open to this resource's decode pods only.
+    policy = wait_for(lambda: get(cluster, "NetworkPolicy", "pd-kv"), what="the KV policy")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-pd"
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+        "prefill"
+    )
+    (_, kv_rule) = policy["spec"]["ingress"]
+    (peer,) = kv_rule["from"]
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    wanted_ingress = policy["spec"]["ingress"]
+    # Someone opens the KV ports to everyone: the operator closes them again.
+    cluster.patch("networking.k8s.io/v1", "NetworkPolicy", "pd-kv", {"spec": {"ingress": [{}]}})
+    wait_for(
+        lambda: get(cluster, "NetworkPolicy", "pd-kv")["spec"]["ingress"] == wanted_ingress,
+        what="the KV policy restored",
+    )
 
     for name, replicas in [("pd-prefill", 1), ("pd-decode", 2), ("pd-router", 1)]:
         roll_out(cluster, name, replicas=replicas, updated=replicas, available=replicas)
@@ -441,7 +457,7 @@ def test_edits_to_owned_fields_are_undone_and_others_kept(
     wait_for(lambda: get(cluster, "Service", "drift"), what="the Service back")
 
 
-def test_switching_mode_removes_the_pool_no_longer_wanted(
+def test_switching_mode_removes_what_the_other_mode_wanted(
     cluster: EmulatedCluster, operator: KopfRunner
 ) -> None:
     cluster.create(llmd("switch", tiny_spec()))
@@ -457,6 +473,27 @@ def test_switching_mode_removes_the_pool_no_longer_wanted(
     public = get(cluster, "Service", "switch")
     assert public is not None
     assert public["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    assert wait_for(lambda: get(cluster, "NetworkPolicy", "switch-kv"), what="the KV policy")
+
+    # And back: the split pools, their Services, PDBs and the KV policy go.
+    edit_spec(cluster, "switch", tiny_spec())
+    wait_for(lambda: get(cluster, "NetworkPolicy", "switch-kv") is None, what="KV policy removed")
+    for kind, name in [
+        ("Deployment", "switch-prefill"),
+        ("Deployment", "switch-decode"),
+        ("Deployment", "switch-router"),
+        ("Service", "switch-prefill"),
+        ("PodDisruptionBudget", "switch-router"),
+    ]:
+        wait_for(lambda kind=kind, name=name: get(cluster, kind, name) is None, what=name)
+    wait_for(lambda: get(cluster, "Deployment", "switch"), what="the unified pool back")
+    wait_for(
+        lambda: (
+            get(cluster, "Service", "switch")["spec"]["selector"]["app.kubernetes.io/component"]
+            == "unified"
+        ),
+        what="the public Service on the unified pool",
+    )
 
 
 def test_deleting_the_resource_leaves_children_to_the_garbage_collector(
@@ -492,7 +529,7 @@ def test_a_second_reconcile_of_an_unchanged_resource_writes_nothing(
                     tiny_spec(topology={"mode": "disaggregated", "prefill": {}, "decode": {}}),
                 )
             )
-            wait_for(lambda: get(cluster, "Deployment", "same-pd-router"), what="children")
+            wait_for(lambda: get(cluster, "NetworkPolicy", "same-pd-kv"), what="children")
             roll_out(cluster, "same", replicas=1, updated=1, available=1)
             wait_for(lambda: status(cluster, "same").get("phase") == "Ready", what="Ready")
             settle(cluster)

@@ -60,9 +60,12 @@ SKIPPED = {
         "and a user who sets spec.resources.memory gets it as the limit too."
     ),
     "CKV2_K8S_6": (
-        "deferred to the disaggregation issue: no NetworkPolicy is rendered yet; prefill and "
-        "decode pods should accept traffic only from their router (decode also on the KV "
-        "port), the serving pods only on their http port, which the router defines."
+        "NetworkPolicy: deliberate for unified, decode and router pods. Prefill pods have one "
+        "(<name>-kv) and pass: their KV ports, which serve cache blocks to anyone who asks, "
+        "admit only the same resource's decode pods. The others listen on http alone, which "
+        "clients, the router, the kubelet's probes and Prometheus reach from wherever they "
+        "run; the operator cannot know those sources, and a policy that selects a pod denies "
+        "every source it does not list."
     ),
 }
 # Checks that pass once the user sets what they ask for (the `hardened` spec below).
@@ -203,6 +206,18 @@ def test_every_skip_still_fires(scan) -> None:
 def test_every_skip_has_a_reason() -> None:
     for check_id, reason in SKIPPED.items():
         assert len(reason.split()) >= 8, f"{check_id}: say why it is skipped"
+
+
+def test_prefill_pods_have_a_network_policy(scan) -> None:
+    """The pods that serve KV blocks are the ones a NetworkPolicy selects (CKV2_K8S_6)."""
+    checked = [check for check in scan["passed"] if check["id"] == "CKV2_K8S_6"]
+    assert {check["file"] for check in checked} == {
+        "example-disaggregated-tiny-0",
+        "disaggregated-gpu",
+    }
+    assert all("/component-prefill." in check["resource"] for check in checked)
+    failed = [check for check in scan["failed"] if check["id"] == "CKV2_K8S_6"]
+    assert not [check for check in failed if "/component-prefill." in check["resource"]]
 
 
 def test_what_the_user_controls_passes_when_the_user_sets_it(scan) -> None:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.cli import load_config_file
 from tidegate.operator.manifest import load_llm_deployments
+from tidegate.operator.reconcile import OWNED_KINDS
 from tidegate.operator.render import (
     DEFAULT_ENGINE_IMAGE,
     SPEC_HASH,
@@ -234,6 +235,16 @@ def test_every_spec_of_the_table_renders_objects_kubernetes_accepts(case: str, v
     assert_valid(render_spec(TABLE[case]).objects, version)
 
 
+def test_the_table_renders_every_kind_the_operator_owns() -> None:
+    """So the schema checks above see every kind, and reconcile prunes every kind rendered."""
+    rendered = {
+        (obj["apiVersion"], obj["kind"])
+        for spec in TABLE.values()
+        for obj in render_spec(spec).objects
+    }
+    assert rendered == set(OWNED_KINDS)
+
+
 def test_the_schema_check_refuses_an_unknown_field() -> None:
     """Strict mode is what catches a misspelt field; make sure it is on."""
     deployment = copy.deepcopy(deployments(render_spec(TABLE["unified-cpu-hostpath"]))[0])
@@ -387,6 +398,7 @@ def test_disaggregated_renders_prefill_decode_and_router_pools() -> None:
         ("Deployment", "llm-decode"),
         ("Deployment", "llm-prefill"),
         ("Deployment", "llm-router"),
+        ("NetworkPolicy", "llm-kv"),
         ("PodDisruptionBudget", "llm-decode"),
         ("PodDisruptionBudget", "llm-prefill"),
         ("PodDisruptionBudget", "llm-router"),
@@ -397,6 +409,94 @@ def test_disaggregated_renders_prefill_decode_and_router_pools() -> None:
     for role in ("prefill", "decode", "router"):
         selector = find(rendered, "Deployment", f"llm-{role}")["spec"]["selector"]
         assert find(rendered, "PodDisruptionBudget", f"llm-{role}")["spec"]["selector"] == selector
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) == {"matchLabels"}, "only matchLabels is rendered"
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def admits(
+    policy: dict[str, Any],
+    to: dict[str, Any],
+    port: int,
+    source: dict[str, str] | None,
+    *,
+    same_namespace: bool = True,
+) -> bool:
+    """Whether `policy` lets a TCP connection in to a pod of Deployment `to` on `port`.
+
+    NetworkPolicy semantics for what the renderer uses: a pod the policy does not select is
+    not restricted by it; a selected pod admits what some ingress rule lists, a rule with no
+    `from` admitting any source, a podSelector alone only pods of the policy's namespace.
+    `source` is the client pod's labels, None for a client that is no pod (a node, outside).
+    """
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    if not selects(spec["podSelector"], pod_labels(to)):
+        return True
+    named = {p["name"]: p["containerPort"] for p in main_container(to)["ports"]}
+    for rule in spec["ingress"]:
+        ports = [named.get(p["port"], p["port"]) for p in rule["ports"] if p["protocol"] == "TCP"]
+        if port not in ports:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, "only same-namespace pod peers are rendered"
+            if source is not None and same_namespace and selects(peer["podSelector"], source):
+                return True
+    return False
+
+
+def test_only_decode_pods_of_the_resource_reach_the_prefill_kv_ports() -> None:
+    rendered = render_spec(TABLE["disaggregated-gpu-uri-auth"])
+    other = render_spec(TABLE["disaggregated-gpu-uri-auth"], name="other")
+    policy = find(rendered, "NetworkPolicy", "llm-kv")
+    prefill = find(rendered, "Deployment", "llm-prefill")
+    labels = {d["metadata"]["name"]: pod_labels(d) for d in deployments(rendered)}
+    other_labels = {d["metadata"]["name"]: pod_labels(d) for d in deployments(other)}
+    kv = [p["containerPort"] for p in main_container(prefill)["ports"] if p["name"] != "http"]
+    assert len(kv) > 2  # several engine cores: every core's ports are covered
+    for port in kv:
+        assert admits(policy, prefill, port, labels["llm-decode"])
+        assert not admits(policy, prefill, port, labels["llm-decode"], same_namespace=False)
+        for source in (labels["llm-router"], labels["llm-prefill"], other_labels["other-decode"]):
+            assert not admits(policy, prefill, port, source)
+        assert not admits(policy, prefill, port, None)
+    assert not admits(policy, prefill, max(kv) + 1, labels["llm-decode"])
+    # http: the router's legs, the kubelet's probes, scrapes from any namespace.
+    for source in [*labels.values(), other_labels["other-router"], None]:
+        assert admits(policy, prefill, 8000, source)
+        assert admits(policy, prefill, 8000, source, same_namespace=False)
+
+
+def test_the_kv_policy_selects_exactly_the_prefill_pods() -> None:
+    rendered = render_spec({"model": model(), "topology": disaggregated()})
+    policy = find(rendered, "NetworkPolicy", "llm-kv")
+    pools = deployments(rendered) + deployments(
+        render_spec({"model": model(), "topology": disaggregated()}, name="other")
+    )
+    selected = [
+        d["metadata"]["name"]
+        for d in pools
+        if selects(policy["spec"]["podSelector"], pod_labels(d))
+    ]
+    assert selected == ["llm-prefill"]
+    assert (
+        policy["spec"]["podSelector"]
+        == find(rendered, "Deployment", "llm-prefill")["spec"]["selector"]
+    )
+
+
+def test_unified_renders_no_network_policy() -> None:
+    """A unified pod has no KV port: nothing to guard, and its http port stays open."""
+    for case in ("unified-cpu-hostpath", "eight-gpus-70b", "auth-secret"):
+        assert not [o for o in render_spec(TABLE[case]).objects if o["kind"] == "NetworkPolicy"]
 
 
 def test_disaggregated_public_service_selects_the_router_pods() -> None:

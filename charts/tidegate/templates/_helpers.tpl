@@ -90,6 +90,10 @@ operator's code and compares.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Disaggregated: the NetworkPolicy that opens the prefill pods' KV ports to decode pods only.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # kopf posts warnings and errors about a resource as core/v1 Events.
 - apiGroups: [""]
   resources: ["events"]
