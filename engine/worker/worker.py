@@ -12,6 +12,7 @@ from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, Sch
 from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.worker.malloc import keep_temporaries_off_mmap
 from tidegate.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Worker:
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
+            keep_temporaries_off_mmap()
             # The ranks of every engine core share the machine's cores.
             ranks = world_size * args.data_parallel_size_local
             torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // ranks))
