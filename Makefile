@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test demo lint format bench bench-throughput bench-startup bench-prefill-stall \
-	bench-shared-prefix bench-attention bench-peers clean
+	bench-shared-prefix bench-disaggregated bench-attention bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,12 +55,17 @@ bench-prefill-stall: $(STAMP)
 bench-shared-prefix: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
 
+# Producer, consumer and router, one core per engine, against a unified server on one core.
+bench-disaggregated: $(STAMP)
+	$(BIN)/python benchmarks/disaggregated.py
+
 # CUDA only: the Triton attention kernel against SDPA (correctness first, then timings).
 bench-attention: $(STAMP)
 	$(BIN)/python benchmarks/attention.py --check --out benchmarks/results/attention.json
 
 # Every scenario that needs no peer engine; each writes benchmarks/results/ and the README table.
-bench: bench-prefill-stall bench-shared-prefix bench-throughput bench-startup
+bench: bench-prefill-stall bench-shared-prefix bench-disaggregated bench-throughput \
+	bench-startup
 
 # Peer engines for comparison, each in its own venv under .cache/peers (vLLM's CPU build first),
 # then the scenarios that compare against them.

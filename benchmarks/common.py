@@ -11,9 +11,11 @@ import subprocess
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from tidegate.engine.bench.local_server import LocalServer
+from tidegate.engine.bench.workloads import Workload, long_prompt_arrival_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -115,3 +117,54 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def lookup(tree: dict, *keys: str) -> object:
+    """tree[k1][k2]... or None where a level is missing (a run too short to measure)."""
+    for key in keys:
+        if not isinstance(tree, dict) or tree.get(key) is None:
+            return None
+        tree = tree[key]
+    return tree
+
+
+@dataclass(frozen=True)
+class StallScenario:
+    """Steady streams decoding while long prompts arrive: its sizes and the workload."""
+
+    size: str
+    streams: int
+    steady_out: int
+    long_len: tuple[int, int]
+    arrivals: list[float]
+
+    @property
+    def model(self) -> Path:
+        return model_dir(self.size)
+
+    def workload(self) -> Workload:
+        return long_prompt_arrival_workload(
+            num_steady=self.streams,
+            steady_input_len=64,
+            steady_output_len=self.steady_out,
+            long_input_len=self.long_len,
+            long_arrivals=self.arrivals,
+            long_output_len=8,
+            seed=0,
+        )
+
+    def describe(self) -> dict:
+        """The workload's sizes, for the result file."""
+        return {
+            "steady_streams": self.streams,
+            "steady_output_len": self.steady_out,
+            "long_input_len": self.long_len,
+            "long_arrivals_s": self.arrivals,
+        }
+
+
+def stall_scenario(smoke: bool, smoke_arrivals: list[float] | None = None) -> StallScenario:
+    """The prefill-stall workload: small model and 16 streams, or a few seconds for tests."""
+    if smoke:
+        return StallScenario("tiny", 4, 500, (1000, 1500), smoke_arrivals or [0.5, 0.8])
+    return StallScenario("small", 16, 700, (2048, 3800), [6.0, 10.0])

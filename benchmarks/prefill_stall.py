@@ -12,9 +12,10 @@ latency of the steady streams while the long prompts prefill, against their own 
 from __future__ import annotations
 
 from common import (
+    lookup,
     machine,
-    model_dir,
     scenario_parser,
+    stall_scenario,
     table,
     tidegate_server,
     update_readme,
@@ -23,7 +24,6 @@ from common import (
 
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
-from tidegate.engine.bench.workloads import long_prompt_arrival_workload
 
 CONFIGS = {
     "unified, auto chunks": ["--long-prefill-token-threshold", "auto"],
@@ -34,20 +34,9 @@ CONFIGS = {
 
 def main() -> None:
     args = scenario_parser(__doc__).parse_args()
-    if args.smoke:
-        size, streams, steady_out, long_len, arrivals = "tiny", 4, 500, (1000, 1500), [0.5, 0.8]
-    else:
-        size, streams, steady_out, long_len, arrivals = "small", 16, 700, (2048, 3800), [6.0, 10.0]
-    model = model_dir(size)
-    workload = long_prompt_arrival_workload(
-        num_steady=streams,
-        steady_input_len=64,
-        steady_output_len=steady_out,
-        long_input_len=long_len,
-        long_arrivals=arrivals,
-        long_output_len=8,
-        seed=0,
-    )
+    scenario = stall_scenario(args.smoke)
+    model = scenario.model
+    workload = scenario.workload()
     results, runs = {}, {}
     for label, flags in CONFIGS.items():
         with tidegate_server(model, *flags) as server:
@@ -60,29 +49,27 @@ def main() -> None:
     record = {
         "command": "python benchmarks/prefill_stall.py" + (" --smoke" if args.smoke else ""),
         "machine": machine(),
-        "model": size,
-        "workload": {
-            "steady_streams": streams,
-            "steady_output_len": steady_out,
-            "long_input_len": long_len,
-            "long_arrivals_s": arrivals,
-        },
+        "model": scenario.size,
+        "workload": scenario.describe(),
         "targets": targets,
         "results": results,
     }
     write_result("prefill_stall", record, args.out_dir)
     plot_run(
-        runs, workload.events, f"prefill-stall, {size} model", args.out_dir / "prefill_stall.png"
+        runs,
+        workload.events,
+        f"prefill-stall, {scenario.size} model",
+        args.out_dir / "prefill_stall.png",
     )
     rows = [
-        [label, *_p99_cells(result["arrival"]), _get(result, "groups", "long", "ttft_ms", "mean")]
+        [label, *_p99_cells(result["arrival"]), lookup(result, "groups", "long", "ttft_ms", "mean")]
         for label, result in results.items()
     ]
     update_readme(
         args.readme,
         "prefill-stall",
-        f"### prefill-stall ({size} model, {streams} steady streams, "
-        f"{long_len[0]}-{long_len[1]}-token prompts at {arrivals} s)\n\n"
+        f"### prefill-stall ({scenario.size} model, {scenario.streams} steady streams, "
+        f"{scenario.long_len[0]}-{scenario.long_len[1]}-token prompts at {scenario.arrivals} s)\n\n"
         + table(
             [
                 "scheduling",
@@ -99,20 +86,11 @@ def main() -> None:
     )
 
 
-def _get(tree: dict, *keys: str) -> object:
-    """tree[k1][k2]... or None where a level is missing (a run too short to measure)."""
-    for key in keys:
-        if not isinstance(tree, dict) or tree.get(key) is None:
-            return None
-        tree = tree[key]
-    return tree
-
-
 def _p99_cells(arrival: dict) -> list[object]:
     return [
-        _get(arrival, "steady_itl_before_ms", "p99"),
-        _get(arrival, "steady_itl_during_ms", "p99"),
-        _get(arrival, "p99_ratio_during_vs_before"),
+        lookup(arrival, "steady_itl_before_ms", "p99"),
+        lookup(arrival, "steady_itl_during_ms", "p99"),
+        lookup(arrival, "p99_ratio_during_vs_before"),
     ]
 
 
@@ -123,14 +101,14 @@ def _p99s(arrival: dict) -> str:
 
 def _targets(results: dict) -> dict[str, object]:
     """The issue's targets: auto within 1.5x its baseline, 3x better than the other two."""
-    auto = _get(results, "unified, auto chunks", "arrival", "steady_itl_during_ms", "p99")
+    auto = lookup(results, "unified, auto chunks", "arrival", "steady_itl_during_ms", "p99")
 
     def versus(label: str) -> object:
-        other = _get(results, label, "arrival", "steady_itl_during_ms", "p99")
+        other = lookup(results, label, "arrival", "steady_itl_during_ms", "p99")
         return round(other / auto, 2) if auto and other else None
 
     return {
-        "auto: p99 during / before (target <= 1.5)": _get(
+        "auto: p99 during / before (target <= 1.5)": lookup(
             results, "unified, auto chunks", "arrival", "p99_ratio_during_vs_before"
         ),
         "no threshold p99 / auto p99 (target >= 3)": versus("unified, no threshold"),

@@ -75,3 +75,20 @@ def test_parallel_size_scenarios_time_and_compare_both_sizes(tmp_path, script, k
     for run in result["results"].values():
         assert run["output_tokens_per_s"] > 0 and run["startup_s"] > 0
         assert len(run["all_output_tokens_per_s"]) == result["repeats"] == 1
+
+
+@pytest.mark.slow
+def test_disaggregated_compares_unified_and_producer_consumer(tmp_path):
+    result, readme = run_scenario("disaggregated.py", tmp_path)
+    assert set(result["results"]) == {"unified", "disaggregated"}
+    for run in result["results"].values():
+        assert run["failed"] == 0
+        assert run["arrival"]["steady_itl_during_ms"]["p99"] > 0
+        assert run["groups"]["long"]["ttft_ms"]["count"] == 2
+    consumer = result["results"]["disaggregated"]["engine_metrics"]["consumer"]
+    # The decode side pulled the prompts' KV instead of computing them.
+    assert consumer["kv_received_bytes_total"] > 0
+    assert consumer["kv_transfer_fallbacks_total"] == 0
+    assert result["config"]["cores"]["consumer"] == result["config"]["cores"]["unified"]
+    assert result["finding"]
+    assert "<!-- disaggregated -->" in readme and "| disaggregated |" in readme
