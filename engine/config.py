@@ -162,7 +162,10 @@ class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefill: list[str] = Field(
-        description="Prefill instance URLs; a headless Service's URL means every pod behind it."
+        default_factory=list,
+        description="Prefill instance URLs; a headless Service's URL means every pod behind it. "
+        "None: every request goes to a decode instance whole (a load balancer for a unified "
+        "pool).",
     )
     decode: list[str] = Field(description="Decode instance URLs, as for prefill.")
     host: str = Field("0.0.0.0", description="Address to listen on.")

@@ -100,7 +100,9 @@ async def _models(request: Request) -> Response:
 
 async def _health(request: Request) -> Response:
     proxy: Proxy = request.app.state.proxy
-    for pool in proxy.pools.values():
+    for role, pool in proxy.pools.items():
+        if role == "prefill" and not proxy.disaggregated:
+            continue
         if not pool.healthy():
             return error_response(errors.no_instance(pool, proxy.retry_after_s))
     counts = {role: len(pool.healthy()) for role, pool in proxy.pools.items()}

@@ -32,6 +32,8 @@ class Proxy:
 
     def __init__(self, args: RouterArgs, client: httpx.AsyncClient) -> None:
         self.pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
+        # Without prefill instances the router balances whole requests over the decode pool.
+        self.disaggregated = bool(args.prefill)
         self.metrics = RouterMetrics(list(self.pools.values()))
         self.client = client
         self.retry_after_s = args.health_interval
@@ -45,8 +47,9 @@ class Proxy:
     ) -> Response:
         """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
         key = affinity_key(body) or headers["x-request-id"]
-        if not needs_prefill(path, body):
-            self.metrics.prefill_skipped.inc()
+        if not self.disaggregated or not needs_prefill(path, body):
+            if self.disaggregated:
+                self.metrics.prefill_skipped.inc()
             return await self._decode(path, client_body(body), headers, key)
         if not self.pools["decode"].healthy():
             # Fail before the prefill leg: its KV blocks would wait for a decode that never comes.

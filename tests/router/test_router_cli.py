@@ -71,6 +71,6 @@ def test_the_router_command_reads_its_config_file(backend, tmp_path):
 
 def test_the_router_command_names_missing_flags(capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["router", "--decode", "http://127.0.0.1:1"])
+        main(["router", "--prefill", "http://127.0.0.1:1"])
     assert exited.value.code == 2
-    assert "the following arguments are required: --prefill" in capsys.readouterr().err
+    assert "the following arguments are required: --decode" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+from tests.router.conftest import wait_until
 from tests.router.fake_engine import DECODE_CHUNKS
 
 COMPLETION = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "min_tokens": 4}
@@ -144,3 +145,18 @@ def test_metrics_count_requests_per_leg_and_show_backends(pd):
     assert f'tidegate:router_backend_up{{role="decode",url="{decode.url}"}} 1.0' in text
     assert f'tidegate:router_backend_in_flight{{role="prefill",url="{prefill.url}"}} 0.0' in text
     assert 'tidegate:router_request_latency_seconds_count{leg="decode"} 1.0' in text
+
+
+def test_without_prefill_instances_the_router_balances_whole_requests(backend, router):
+    """A unified pool behind the router (`tidegate up` with several unified replicas)."""
+    first, second = backend("decode"), backend("decode")
+    balancer = router([], [first.url, second.url])
+    wait_until(lambda: balancer.client.get("/health").status_code == 200, what="healthy")
+    for i in range(8):
+        body = {**COMPLETION, "prompt": f"prompt {i} " * 40}
+        assert balancer.client.post("/v1/completions", json=body).status_code == 200
+    received = first.engine.received + second.engine.received
+    assert len(received) == 8
+    assert all("kv_transfer_params" not in leg.body for leg in received)
+    assert first.engine.received and second.engine.received  # different prefixes spread
+    assert "tidegate:router_prefill_skipped_total 0.0" in balancer.metrics()
