@@ -9,6 +9,7 @@ import time
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -159,11 +160,22 @@ def _router(ns: argparse.Namespace) -> int:
     return run_router(engine_args_from(ns, RouterArgs))
 
 
+def _up(ns: argparse.Namespace) -> int:
+    import logging
+
+    from tidegate.operator.up import run_up
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_up(ns.file, ns.model_dir, ns.port)
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tidegate.engine.entrypoints.demo import run_demo
 
     try:
-        return run_demo(ns.model, ns.port, ns.served_model_name)
+        return run_demo(ns.model, ns.port, ns.file)
     except RuntimeError as error:
         print(f"tidegate demo: {error}", file=sys.stderr)
         return 1
@@ -290,6 +302,14 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     )
     plan.set_defaults(handler=_plan)
 
+    up = sub.add_parser("up", help="run an LLMDeployment's pods on this machine, as in a cluster")
+    up.add_argument("-f", "--file", required=True, help="YAML with one LLMDeployment")
+    up.add_argument(
+        "--model-dir", type=Path, help="local model folder (default: the hostPath source)"
+    )
+    up.add_argument("--port", type=int, default=8000, help="port of the public endpoint")
+    up.set_defaults(handler=_up)
+
     operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     operator.add_argument(
         "-n",
@@ -307,10 +327,12 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     )
     operator.set_defaults(handler=_operator)
 
-    demo = sub.add_parser("demo", help="serve a model, ask it one question, keep serving")
+    demo = sub.add_parser("demo", help="run the tiny disaggregated example, ask it one question")
     demo.add_argument("--model", required=True)
     demo.add_argument("--port", type=int, default=8000)
-    demo.add_argument("--served-model-name", default="tiny-llama")
+    demo.add_argument(
+        "-f", "--file", default="examples/disaggregated-tiny.yaml", help="the LLMDeployment to run"
+    )
     demo.set_defaults(handler=_demo)
     return parser
 

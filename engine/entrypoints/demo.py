@@ -1,20 +1,20 @@
-"""`tidegate demo`: start `tidegate serve` as a pod would, ask it one question, keep serving.
+"""`tidegate demo`: run the tiny disaggregated LLMDeployment with `tidegate up`, ask it once.
 
-"As a pod would": the server reads the engine config file that the operator renders for a
-unified LLMDeployment of this model (the ConfigMap key `unified.yaml`); only the model folder,
-the address and the port are given on the command line, as local stand-ins for the pod's.
+`tidegate up` runs the pods the operator renders for the manifest (a prefill pod, a decode
+pod and the router) as local processes; the demo waits for its public endpoint, sends one
+chat request through the router, prints the answer and how to try more, and keeps serving
+until Ctrl-C (which reaches `tidegate up`, and it stops every pod).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 import urllib.request
 from pathlib import Path
 
-from tidegate.engine.bench.local_server import LocalServer, serve_command
+from tidegate.engine.bench.local_server import LocalServer, tidegate_command
 
-_STARTUP_DEADLINE_S = 120.0
+_STARTUP_DEADLINE_S = 300.0
 
 
 def _chat(base_url: str, model: str, question: str) -> dict:
@@ -51,36 +51,37 @@ def pod_config(model: str, name: str, directory: Path) -> Path:
     return path
 
 
-def run_demo(model: str, port: int, name: str) -> int:
-    """Serve `model` on 127.0.0.1:`port` until Ctrl-C; returns the server's exit code."""
-    config = pod_config(model, name, Path(tempfile.mkdtemp(prefix="tidegate-demo-")))
-    flags = ("--config", str(config))
-    # Same session as us: Ctrl-C in the terminal reaches the server too, which drains and exits.
-    server = LocalServer(serve_command(model, *flags, port=port), port, own_session=False)
+def run_demo(model: str, port: int, manifest: str) -> int:
+    """Run `manifest` with `model` on 127.0.0.1:`port` until Ctrl-C; up's exit code."""
+    from tidegate.operator.manifest import load_llm_deployments
+
+    name = load_llm_deployments(manifest)[0]["spec"]["model"]["name"]
+    command = [*tidegate_command(), "up", "-f", manifest, "--model-dir", model]
+    # Same session as us: Ctrl-C in the terminal reaches `tidegate up`, which stops its pods.
+    server = LocalServer([*command, "--port", str(port)], port, own_session=False)
     base_url = server.base_url
-    print(f"# {config}: the engine config the operator renders for a unified LLMDeployment")
     print("$", " ".join(server.command), flush=True)
     try:
         seconds = server.wait_healthy(_STARTUP_DEADLINE_S).startup_seconds or 0.0
         question = "What does a tidegate do?"
         answer = _chat(base_url, name, question)
         message = answer["choices"][0]["message"]["content"]
-        print(f"\nhealthy after {seconds:.1f} s")
+        print(f"\nhealthy after {seconds:.1f} s; the answer came through the router")
         print(f"user:      {question}")
         print(f"assistant: {message!r}  (random weights: the words are noise)")
         print(f"usage:     {answer['usage']}")
         print(
-            f"\nThe server keeps serving; try:\n"
+            f"\nIt keeps serving; try:\n"
             f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{name}", "messages": '
             f'[{{"role": "user", "content": "Hello"}}]}}\'\n'
-            f"  curl {base_url}/metrics\n"
+            f"  curl {base_url}/metrics      # the router's; each pod's URL is in the table above\n"
             "Press Ctrl-C to stop.\n",
             flush=True,
         )
         return server.process.wait()
     except KeyboardInterrupt:
-        # Ctrl-C reached the server too (same process group); it drains and exits.
+        # Ctrl-C reached `tidegate up` too (same process group); it stops its pods and exits.
         return server.process.wait()
     except BaseException:
         server.stop()

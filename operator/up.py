@@ -1,0 +1,296 @@
+"""`tidegate up`: run an LLMDeployment on this machine, as the operator would in a cluster.
+
+The operator's own renderer says what to run (no second code path): every replica of every
+rendered Deployment becomes a local process running its container's command and args, with
+these local substitutions only:
+- the ConfigMap's files are written to a folder and `--config` points there;
+- each process listens on 127.0.0.1 and a free port; KV transfer ports are picked free too;
+- the model source becomes a local folder (`--model-dir`, or the hostPath when it exists);
+- a Service becomes the URLs of the replicas behind it (the router's --prefill/--decode);
+- accelerator requests are ignored on a machine without CUDA (`--device cpu`, with a warning).
+The public endpoint (`--port`) is the router, or the engine of a one-replica unified pool, or
+a router balancing whole requests over several unified replicas. A process that exits is
+restarted like the kubelet does, after a backoff that doubles; SIGTERM or Ctrl-C stops them
+all, each with its whole process session, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
+from tidegate.operator.manifest import load_llm_deployments
+from tidegate.operator.render import CONFIG_DIR, Rendered, RenderOptions, render
+from tidegate.operator.spec import SpecError
+
+logger = logging.getLogger("tidegate.up")
+
+# kubelet's restart backoff, scaled down for one machine: 1 s doubling to 30 s; a process
+# that stayed up this long starts again from 1 s.
+BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+# Roles started first (their URLs are the router's arguments); the router last.
+START_ORDER = ("unified", "prefill", "decode", "router")
+ROLE_LABEL = "app.kubernetes.io/component"
+
+
+@dataclass
+class LocalPod:
+    """One replica of a rendered Deployment, run as a local process."""
+
+    role: str
+    name: str
+    command: list[str]
+    port: int
+    log_path: Path
+    server: LocalServer | None = None
+    log: TextIO | None = None
+    restarts: int = 0
+    backoff_s: float = BACKOFF_S
+    restart_at: float | None = None
+    started_at: float = 0.0
+    flags: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        if self.server is not None:
+            self.server.stop(timeout=5.0)  # what the last run left in its session goes too
+        if self.log is not None:
+            self.log.close()
+        self.log = self.log_path.open("a")  # one log across restarts, as `kubectl logs -p`
+        self.server = LocalServer(self.command, self.port, log=self.log)
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.process.pid if self.server else None
+
+    def exited(self) -> int | None:
+        """The exit code once the process has ended, else None."""
+        return None if self.server is None else self.server.process.poll()
+
+
+class UpError(Exception):
+    """What cannot run on this machine, said so that the user can fix it."""
+
+
+def plan_pods(
+    resource: dict[str, Any], model_dir: Path, port: int, workdir: Path
+) -> list[LocalPod]:
+    """The local processes of one LLMDeployment, in start order; the public one on `port`."""
+    rendered = render(resource, RenderOptions())
+    config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
+    config_dir = workdir / "config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    for key, text in config_map["data"].items():
+        (config_dir / key).write_text(text)
+    deployments = sorted(
+        (o for o in rendered.objects if o["kind"] == "Deployment"),
+        key=lambda o: START_ORDER.index(o["metadata"]["labels"][ROLE_LABEL]),
+    )
+    pods: list[LocalPod] = []
+    for deployment in deployments:
+        role = deployment["metadata"]["labels"][ROLE_LABEL]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        for index in range(deployment["spec"]["replicas"]):
+            args = [a.replace(CONFIG_DIR, str(config_dir)) for a in container["args"]]
+            name = f"{deployment['metadata']['name']}-{index}"
+            pods.append(
+                LocalPod(role, name, [*tidegate_command(), *args], 0, workdir / f"{name}.log")
+            )
+    _assign_ports_and_flags(pods, model_dir, port, rendered)
+    return pods
+
+
+def _assign_ports_and_flags(
+    pods: list[LocalPod], model_dir: Path, port: int, rendered: Rendered
+) -> None:
+    engines = [p for p in pods if p.role != "router"]
+    public = [p for p in pods if p.role == "router"] or (engines if len(engines) == 1 else [])
+    for pod in pods:
+        pod.port = port if pod in public else free_port()
+        pod.command += ["--host", "127.0.0.1", "--port", str(pod.port)]
+    cuda = _cuda_available()
+    for pod in engines:
+        pod.command += ["--model", str(model_dir)]
+        if pod.role in ("prefill", "decode"):
+            pod.command += ["--kv-host", "127.0.0.1", "--kv-port", "0"]
+        tuning = rendered.tuning.roles[pod.role]
+        if tuning.accelerated and not cuda:
+            pod.command += ["--device", "cpu"]
+        pod.flags = {name: choice.value for name, choice in tuning.choices().items()}
+    for pod in pods:
+        if pod.role == "router":
+            for role in ("prefill", "decode"):
+                pod.command += [f"--{role}", *(p.url for p in engines if p.role == role)]
+    if not public:
+        # Several unified replicas: a router in front balances whole requests over them.
+        balancer = LocalPod("router", "balancer", [*tidegate_command(), "router"], port, Path())
+        balancer.log_path = engines[0].log_path.with_name("balancer.log")
+        balancer.command += ["--host", "127.0.0.1", "--port", str(port), "--decode"]
+        balancer.command += [p.url for p in engines]
+        pods.append(balancer)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def resolve_model_dir(resource: dict[str, Any], given: Path | None) -> Path:
+    """The local folder standing for the model source; UpError naming what is missing."""
+    source = resource.get("spec", {}).get("model", {}).get("source", {})
+    if given is not None:
+        path = given
+    elif "hostPath" in source:
+        path = Path(source["hostPath"]["path"])
+    else:
+        kind = next(iter(source), "source")
+        raise UpError(f"the model comes from a {kind}; give its local folder with --model-dir")
+    if not (path / "config.json").is_file():
+        raise UpError(f"model folder {path} not found (no config.json there); use --model-dir")
+    return path
+
+
+def warn_about_machine(pods: list[LocalPod]) -> list[str]:
+    """What will run, but slowly or not as in the cluster, on this machine."""
+    cores = os.cpu_count() or 1
+    warnings = []
+    ranks = sum(
+        int(p.flags.get("tensorParallelSize", 1)) * int(p.flags.get("dataParallelSizeLocal", 1))
+        for p in pods
+        if p.role != "router"
+    )
+    if ranks > cores:
+        warnings.append(
+            f"{ranks} worker processes on {cores} cores: they will share the CPUs and run slowly"
+        )
+    if "--device" in {arg for p in pods for arg in p.command}:
+        warnings.append("the resource asks for accelerators and this machine has no CUDA: CPU")
+    return warnings
+
+
+class Supervisor:
+    """Starts the pods in order, restarts those that exit, stops them all on request."""
+
+    def __init__(self, pods: list[LocalPod], startup_timeout_s: float = 300.0) -> None:
+        self.pods = pods
+        self.startup_timeout_s = startup_timeout_s
+        self.stopping = threading.Event()
+        self.error: str | None = None
+        # Held while a process is launched: once stop() has it, nothing new starts.
+        self._launching = threading.Lock()
+
+    def start(self) -> None:
+        """Start every pod and wait until each is ready (engines before the router).
+
+        Runs on its own thread so that a stop signal is heard meanwhile; a pod that exits or
+        does not become ready sets `error`.
+        """
+        for pod in self.pods:
+            with self._launching:
+                if self.stopping.is_set():
+                    return
+                pod.start()
+            assert pod.server is not None
+            try:
+                pod.server.wait_healthy(self.startup_timeout_s)
+            except RuntimeError as error:
+                self.error = f"{pod.name} did not become ready: {error}"
+                return
+
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Until stopped: restart exited pods with a doubling backoff, as the kubelet does."""
+        while not self.stopping.wait(poll_s):
+            now = time.monotonic()
+            for pod in self.pods:
+                code = pod.exited()
+                if code is None:
+                    if now - pod.started_at > STABLE_S:
+                        pod.backoff_s = BACKOFF_S
+                    continue
+                if pod.restart_at is None:
+                    pod.restart_at = now + pod.backoff_s
+                    logger.warning(
+                        "%s (pid %s) exited with code %s; restarting in %.0f s",
+                        pod.name,
+                        pod.pid,
+                        code,
+                        pod.backoff_s,
+                    )
+                    pod.backoff_s = min(pod.backoff_s * 2, MAX_BACKOFF_S)
+                elif now >= pod.restart_at:
+                    pod.restarts += 1
+                    pod.start()
+                    logger.info("%s restarted (pid %s)", pod.name, pod.pid)
+
+    def stop(self) -> None:
+        """Stop the router first, then the engines; each with its whole session."""
+        with self._launching:
+            self.stopping.set()
+        for pod in reversed(self.pods):
+            if pod.server is not None:
+                pod.server.stop(timeout=30.0)
+            if pod.log is not None:
+                pod.log.close()
+
+
+def table(pods: list[LocalPod]) -> Iterator[str]:
+    """The lines `tidegate up` prints: role, name, pid, URL, tuned flags."""
+    yield f"{'ROLE':8} {'NAME':28} {'PID':>7}  {'URL':24} FLAGS"
+    for pod in pods:
+        flags = " ".join(f"{k}={v}" for k, v in pod.flags.items())
+        yield f"{pod.role:8} {pod.name:28} {pod.pid or '-':>7}  {pod.url:24} {flags}"
+
+
+def run_up(file: str, model_dir: Path | None, port: int) -> int:
+    """The `tidegate up` command: 0 after SIGTERM/Ctrl-C, 1 when it cannot run the file."""
+    try:
+        resources = load_llm_deployments(file)
+        if len(resources) != 1:
+            raise UpError(f"{file} holds {len(resources)} LLMDeployments; up runs exactly one")
+        resource = resources[0]
+        model = resolve_model_dir(resource, model_dir)
+        workdir = Path(tempfile.mkdtemp(prefix="tidegate-up-"))
+        pods = plan_pods(resource, model, port, workdir)
+    except (SpecError, UpError) as error:
+        print(f"tidegate up: {error}", flush=True)
+        return 1
+    for warning in warn_about_machine(pods):
+        logger.warning("%s", warning)
+    supervisor = Supervisor(pods)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: supervisor.stopping.set())
+    name = resource["metadata"]["name"]
+    try:
+        starting = threading.Thread(target=supervisor.start, name="up-start", daemon=True)
+        starting.start()
+        while starting.is_alive() and not supervisor.stopping.wait(0.1):
+            pass
+        if supervisor.stopping.is_set():
+            return 0
+        if supervisor.error is not None:
+            print(f"tidegate up: {supervisor.error}\n(logs in {workdir})", flush=True)
+            return 1
+        print("\n".join(table(pods)), flush=True)
+        print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
+        supervisor.watch()
+        return 0
+    finally:
+        supervisor.stop()
