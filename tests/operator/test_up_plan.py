@@ -1,0 +1,78 @@
+"""What `tidegate up` would run for a manifest: the rendered pods, with local stand-ins only."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from tidegate.operator.manifest import load_llm_deployments
+from tidegate.operator.up import UpError, plan_pods, resolve_model_dir, warn_about_machine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def example(name: str) -> dict:
+    return load_llm_deployments(str(REPO / "examples" / name))[0]
+
+
+def flag(command: list[str], name: str) -> list[str]:
+    """The values after --name, up to the next flag."""
+    index = command.index(name) + 1
+    values = []
+    while index < len(command) and not command[index].startswith("--"):
+        values.append(command[index])
+        index += 1
+    return values
+
+
+def test_disaggregated_pods_get_local_ports_configs_and_each_others_urls(tmp_path: Path) -> None:
+    pods = plan_pods(example("disaggregated-tiny.yaml"), Path("/m"), 9000, tmp_path)
+    assert [p.role for p in pods] == ["prefill", "decode", "router"]
+    prefill, decode, router = pods
+    assert router.port == 9000 and len({p.port for p in pods}) == 3
+    for pod in (prefill, decode):
+        config = Path(flag(pod.command, "--config")[0])
+        assert config.parent == tmp_path / "config" and config.is_file()
+        assert "kv-role" in config.read_text()  # the operator's file, as rendered
+        assert flag(pod.command, "--model") == ["/m"]
+        assert flag(pod.command, "--kv-port") == ["0"]
+        assert flag(pod.command, "--host") == ["127.0.0.1"]
+    assert flag(router.command, "--prefill") == [prefill.url]
+    assert flag(router.command, "--decode") == [decode.url]
+    assert prefill.flags["longPrefillTokenThreshold"] == "auto"
+
+
+def test_several_unified_replicas_get_a_balancing_router(tmp_path: Path) -> None:
+    resource = copy.deepcopy(example("unified-tiny.yaml"))
+    resource["spec"]["topology"]["unified"]["replicas"] = 3
+    pods = plan_pods(resource, Path("/m"), 9000, tmp_path)
+    engines, [balancer] = pods[:3], pods[3:]
+    assert [p.role for p in engines] == ["unified"] * 3 and 9000 not in {p.port for p in engines}
+    assert balancer.port == 9000
+    assert flag(balancer.command, "--decode") == [p.url for p in engines]
+    assert "--prefill" not in balancer.command
+
+
+def test_one_unified_replica_serves_the_public_port_itself(tmp_path: Path) -> None:
+    [pod] = plan_pods(example("unified-tiny.yaml"), Path("/m"), 9000, tmp_path)
+    assert pod.port == 9000
+
+
+def test_accelerator_pods_run_on_cpu_here_with_warnings(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("tidegate.operator.up._cuda_available", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    pods = plan_pods(example("llama-70b-8gpu.yaml"), Path("/m"), 9000, tmp_path)
+    assert all(flag(p.command, "--device") == ["cpu"] for p in pods if p.role != "router")
+    warnings = warn_about_machine(pods)
+    assert any("worker processes on 2 cores" in w for w in warnings)
+    assert any("no CUDA" in w for w in warnings)
+
+
+def test_the_model_folder_must_hold_a_model(tmp_path: Path) -> None:
+    resource = example("unified-tiny.yaml")
+    with pytest.raises(UpError, match=f"model folder {tmp_path} not found"):
+        resolve_model_dir(resource, tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_dir(resource, tmp_path) == tmp_path
