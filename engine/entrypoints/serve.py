@@ -24,7 +24,7 @@ from tidegate.engine.process import LOG_FORMAT, name_process
 logger = logging.getLogger("tidegate.serve")
 
 
-class _Server(uvicorn.Server):
+class StoppableServer(uvicorn.Server):
     """uvicorn's server, except that a stop signal ends serve() instead of killing us.
 
     uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
@@ -33,7 +33,7 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -41,7 +41,7 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
@@ -63,14 +63,14 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     # A Ctrl-C or SIGTERM while the model loads stops the start-up cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.ensure_future(
         AsyncLLM.start(engine_args, server_args.max_waiting_requests, metrics)
     )
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         loop.remove_signal_handler(sig)
     if not starting.done():
         logger.info("stopped while starting")
@@ -103,7 +103,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         lifespan="off",
         access_log=False,
     )
-    server = _Server(config)
+    server = StoppableServer(config)
     exit_code = 0
 
     def on_dead(reason: str) -> None:

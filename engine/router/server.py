@@ -7,37 +7,16 @@ Exit codes: 0 after a stop signal (in-flight requests drained up to --shutdown-t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator
 
 import uvicorn
 
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.entrypoints.serve import StoppableServer
 from tidegate.engine.process import LOG_FORMAT, name_process
 from tidegate.engine.router.app import build_app
 
 logger = logging.getLogger("tidegate.router")
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that a stop signal ends serve() with exit code 0.
-
-    uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would turn a
-    clean stop into exit code 143.
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def run_router(args: RouterArgs) -> int:
@@ -56,7 +35,7 @@ def run_router(args: RouterArgs) -> int:
         lifespan="on",
         access_log=False,
     )
-    server = _Server(config)
+    server = StoppableServer(config)
     logger.info(
         "routing to prefill %s and decode %s on http://%s:%d",
         " ".join(args.prefill),
