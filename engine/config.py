@@ -100,7 +100,8 @@ class EngineArgs(BaseModel):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads per worker on CPU; defaults to the cores divided by "
+        description="torch threads per worker on CPU; defaults to the CPUs this process may use "
+        "(its affinity, capped by a cgroup CPU quota such as a pod's limit) divided by "
         "tensor_parallel_size times data_parallel_size_local.",
     )
 

@@ -17,7 +17,6 @@ all, each with its whole process session, so nothing is left behind.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
+from tidegate.engine.process import available_cpus
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import CONFIG_DIR, Rendered, RenderOptions, render
 from tidegate.operator.spec import SpecError
@@ -170,7 +170,7 @@ def resolve_model_dir(resource: dict[str, Any], given: Path | None) -> Path:
 
 def warn_about_machine(pods: list[LocalPod]) -> list[str]:
     """What will run, but slowly or not as in the cluster, on this machine."""
-    cores = os.cpu_count() or 1
+    cores = available_cpus()
     warnings = []
     ranks = sum(
         int(p.flags.get("tensorParallelSize", 1)) * int(p.flags.get("dataParallelSizeLocal", 1))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -12,6 +11,7 @@ from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, Sch
 from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.process import available_cpus
 from tidegate.engine.worker.malloc import keep_temporaries_off_mmap
 from tidegate.engine.worker.model_runner import ModelRunner
 
@@ -58,7 +58,7 @@ class Worker:
             keep_temporaries_off_mmap()
             # The ranks of every engine core share the machine's cores.
             ranks = world_size * args.data_parallel_size_local
-            torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // ranks))
+            torch.set_num_threads(args.num_threads or max(1, available_cpus() // ranks))
         init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
         self.kv_connector: KVConnectorWorker | None = None

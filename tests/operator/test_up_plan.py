@@ -62,7 +62,7 @@ def test_one_unified_replica_serves_the_public_port_itself(tmp_path: Path) -> No
 
 def test_accelerator_pods_run_on_cpu_here_with_warnings(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("tidegate.operator.up._cuda_available", lambda: False)
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("tidegate.operator.up.available_cpus", lambda: 2)
     pods = plan_pods(example("llama-70b-8gpu.yaml"), Path("/m"), 9000, tmp_path)
     assert all(flag(p.command, "--device") == ["cpu"] for p in pods if p.role != "router")
     warnings = warn_about_machine(pods)
