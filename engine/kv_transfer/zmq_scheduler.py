@@ -10,7 +10,6 @@ One thread owns every socket (ZMQ sockets are not thread-safe):
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import queue
@@ -27,12 +26,12 @@ from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.messages import KVEvent, KVRelease, KVWorkerConfig
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
 from tidegate.engine.kv_transfer.params import RemotePrefill
+from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
 
 logger = logging.getLogger(__name__)
 
 # Producers a consumer keeps a socket open to; the least recently used one is closed beyond.
 _MAX_PEERS = 64
-_STOP = b"stop"
 
 
 def advertised_host(configured: str | None) -> str:
@@ -66,15 +65,11 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self.side_port = 0
         if self.role == "producer":
             self._side = self._ctx.socket(zmq.ROUTER)
-            self.side_port = _bind(self._side, base)
+            self.side_port = bind_tcp(self._side, base)
         self._data_port_base = base + 1 if base else 0
         self.data_ports: list[int] = []
-        self._wake_address = f"inproc://kv-wake-{uuid.uuid4().hex[:12]}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_address)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(self._wake_address)
-        self._wake_lock = threading.Lock()
+        # The engine core's threads wake the connector's through it.
+        self._waker = Waker(self._ctx, "kv-wake")
         self._outbox: queue.SimpleQueue[tuple[str, int, bytes]] = queue.SimpleQueue()
         self._peers: collections.OrderedDict[tuple[str, int], zmq.Socket] = (
             collections.OrderedDict()
@@ -126,41 +121,34 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
     def release_remote(self, params: RemotePrefill) -> None:
         payload = msgspec.msgpack.encode(KVRelease(params.remote_request_id))
         self._outbox.put((params.remote_host, params.remote_port, payload))
-        self._wake(b"")
+        self._waker.wake()
 
     def shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
         if self._thread is not None:
-            self._wake(_STOP)
+            self._waker.wake(STOP)
             self._thread.join(timeout=5.0)
         else:
             self._close_sockets()
-        with self._wake_lock:
-            self._wake_send.close(linger=0)
+        self._waker.close()
         if self._thread is None or not self._thread.is_alive():
             self._ctx.term()  # would wait forever on a thread that still holds sockets
 
     # -- the thread -----------------------------------------------------------------------
 
-    def _wake(self, message: bytes) -> None:
-        # The engine core's threads share this end; never block them: a full pipe already
-        # holds a wake-up.
-        with self._wake_lock, contextlib.suppress(zmq.Again):
-            self._wake_send.send(message, zmq.NOBLOCK)
-
     def _run(self, sink: Callable[[KVEvent], None]) -> None:
         decoder = msgspec.msgpack.Decoder(KVEvent)
         poller = zmq.Poller()
-        for sock in (self._events, self._wake_recv, self._side):
+        for sock in (self._events, self._waker.receiver, self._side):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         try:
             while True:
                 for sock, _ in poller.poll():
-                    if sock is self._wake_recv:
-                        if self._wake_recv.recv() == _STOP:
+                    if sock is self._waker.receiver:
+                        if self._waker.receiver.recv() == STOP:
                             return
                         self._send_outbox()
                     elif sock is self._events:
@@ -203,7 +191,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             peer = self._ctx.socket(zmq.DEALER)
             peer.setsockopt(zmq.LINGER, 1000)
             peer.setsockopt(zmq.SNDHWM, 1000)
-            peer.connect(f"tcp://{_bracket(host)}:{port}")
+            peer.connect(tcp_address(host, port))
             if len(self._peers) >= _MAX_PEERS:
                 _, oldest = self._peers.popitem(last=False)
                 oldest.close()
@@ -211,23 +199,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         return peer
 
     def _close_sockets(self) -> None:
-        for sock in (self._events, self._wake_recv, self._side, *self._peers.values()):
+        for sock in (self._events, self._waker.receiver, self._side, *self._peers.values()):
             if sock is not None:
                 sock.close(linger=0)
         self._peers.clear()
-
-
-def _bind(sock: zmq.Socket, port: int) -> int:
-    """Bind on every interface, to `port` or (0) a free one; the port bound."""
-    if port:
-        try:
-            sock.bind(f"tcp://*:{port}")
-        except zmq.ZMQError as error:
-            raise ValueError(f"KV transfer port {port} is not free: {error}") from None
-        return port
-    return sock.bind_to_random_port("tcp://*")
-
-
-def _bracket(host: str) -> str:
-    """An IPv6 literal in a tcp:// address needs brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -17,13 +17,11 @@ of the step that first runs the request, so no write ever races a step.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -42,13 +40,12 @@ from tidegate.engine.core.messages import (
 )
 from tidegate.engine.kv_transfer.base import KVConnectorWorker
 from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
-from tidegate.engine.kv_transfer.zmq_scheduler import _bind, _bracket
+from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
 
 logger = logging.getLogger(__name__)
 # Received frames are read-only; they are copied into the assembled tensors at once.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-_STOP = b"stop"
 _PINS = b"pins"
 # How long a read waits for the pin of a transfer this rank has not heard of.
 _EARLY_READ_WAIT_S = 5.0
@@ -85,11 +82,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self.kv_caches: KVCaches = []
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
-        self._wake_address = f"inproc://kv-worker-{uuid.uuid4().hex[:12]}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_address)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(self._wake_address)
+        self._waker = Waker(self._ctx, "kv-worker")
         # Producer: transfer id -> the block ids it may serve.
         self._pins: dict[str, frozenset[int]] = {}
         # Recently unpinned transfers: a read of one fails at once instead of waiting.
@@ -104,7 +97,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._events: zmq.Socket | None = None
         if config.role == "producer":
             self._server = self._ctx.socket(zmq.ROUTER)
-            self._data_port = _bind(
+            self._data_port = bind_tcp(
                 self._server, config.data_port + rank if config.data_port else 0
             )
             target = self._serve
@@ -138,13 +131,13 @@ class ZmqConnectorWorker(KVConnectorWorker):
             for transfer_id, block_ids in pin.items():
                 self._pins[transfer_id] = frozenset(block_ids)
         if pin:
-            self._wake(_PINS)  # reads that came before their pin can go on
+            self._waker.wake(_PINS)  # reads that came before their pin can go on
 
     def _serve(self) -> None:
         assert self._server is not None
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(self._waker.receiver, zmq.POLLIN)
         decoder = msgspec.msgpack.Decoder(KVReadRequest)
         # A read can overtake its pin: the engine core tells this rank and the consumer at
         # about the same time. Such reads wait here (not blocking others) for a while.
@@ -156,7 +149,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 ready = dict(
                     poller.poll(None if timeout is None else max(0.0, timeout - now) * 1e3)
                 )
-                if self._wake_recv in ready and self._wake_recv.recv() == _STOP:
+                waker = self._waker.receiver
+                if waker in ready and waker.recv() == STOP:
                     return
                 if self._server in ready:
                     *route, payload = self._server.recv_multipart()
@@ -178,7 +172,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             logger.exception("the KV block server of rank %d failed", self.rank)
         finally:
             self._server.close(linger=0)
-            self._wake_recv.close(linger=0)
+            self._waker.receiver.close(linger=0)
 
     def _answer(self, route: list[bytes], reply: KVReadReply, frames: list[memoryview]) -> None:
         assert self._server is not None
@@ -224,7 +218,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         for spec in meta.recv:
             self._new_pulls.put(spec)
         if meta.recv:
-            self._wake(b"")
+            self._waker.wake()
         for req_id in meta.load:
             with self._lock:
                 entry = self._ready.pop(req_id, None)
@@ -242,7 +236,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         assert self._events is not None
         # Only this thread touches these.
         self._poller = zmq.Poller()
-        self._poller.register(self._wake_recv, zmq.POLLIN)
+        self._poller.register(self._waker.receiver, zmq.POLLIN)
         self._peers: dict[tuple[str, int], zmq.Socket] = {}
         # A monitor per peer socket: a refused or dropped connection fails its reads at once.
         self._monitors: dict[zmq.Socket, tuple[str, int]] = {}
@@ -257,8 +251,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 next_deadline = min((p.deadline for p in self._pulls.values()), default=None)
                 timeout = None if next_deadline is None else max(0.0, next_deadline - now) * 1000
                 for sock, _ in self._poller.poll(timeout):
-                    if sock is self._wake_recv:
-                        if self._wake_recv.recv() == _STOP:
+                    if sock is self._waker.receiver:
+                        if self._waker.receiver.recv() == STOP:
                             return
                     elif sock in self._monitors:
                         self._peer_event(sock)
@@ -275,7 +269,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             for address in list(self._peers):
                 self._drop_peer(address)
             self._events.close(linger=0)
-            self._wake_recv.close(linger=0)
+            self._waker.receiver.close(linger=0)
 
     def _start(self, spec: KVRecvSpec) -> None:
         """Send this rank's reads of one request to the producer ranks holding its heads."""
@@ -306,7 +300,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
         self._monitors[monitor] = address
-        sock.connect(f"tcp://{_bracket(address[0])}:{address[1]}")
+        sock.connect(tcp_address(*address))
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
         return sock
@@ -424,16 +418,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
         if self._stopped:
             return
         self._stopped = True
-        self._wake(_STOP)
+        self._waker.wake(STOP)
         self._thread.join(timeout=5.0)
-        self._wake_send.close(linger=0)
+        self._waker.close()
         if not self._thread.is_alive():
             self._ctx.term()  # would wait forever on a thread that still holds sockets
-
-    def _wake(self, message: bytes) -> None:
-        """Signal the thread; never blocks the model's thread (a full pipe already wakes it)."""
-        with contextlib.suppress(zmq.Again):
-            self._wake_send.send(message, zmq.NOBLOCK)
 
 
 def _addresses(pull: _Pull) -> set[tuple[str, int]]:
