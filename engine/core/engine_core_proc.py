@@ -173,7 +173,6 @@ class EngineCoreProc:
                 rejected.append(payload.request_id)
             else:
                 self.engine.add_request(_to_request(payload))
-        changed = self.engine.process_kv_events() or changed
         if rejected or (changed and not self.engine.has_unfinished_requests()):
             # No step follows to report the new state (an abort emptied the engine, or a
             # request was refused): report it now.
