@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from pathlib import Path
 
 from tidegate.engine.bench.local_server import LocalServer, tidegate_command
 
@@ -31,24 +30,6 @@ def _chat(base_url: str, model: str, question: str) -> dict:
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.load(response)
-
-
-def pod_config(model: str, name: str, directory: Path) -> Path:
-    """Write the engine config the operator renders for a unified LLMDeployment of `model`."""
-    from tidegate.operator.render import render
-
-    resource = {
-        "apiVersion": "tidegate.dev/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": "demo", "namespace": "default"},
-        "spec": {
-            "model": {"name": name, "source": {"hostPath": {"path": str(Path(model).resolve())}}}
-        },
-    }
-    config_map = next(o for o in render(resource).objects if o["kind"] == "ConfigMap")
-    path = directory / "unified.yaml"
-    path.write_text(config_map["data"]["unified.yaml"])
-    return path
 
 
 def run_demo(model: str, port: int, manifest: str) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from tidegate.engine.bench.local_server import LocalServer, free_port, serve_command
+from tidegate.operator.render import render
 
 STARTUP_DEADLINE_S = 90.0
 
@@ -40,3 +42,11 @@ class ServerProcess(LocalServer):
 
     def wait_exit(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)
+
+
+def rendered_config(resource: dict[str, Any], role: str, directory: Path) -> Path:
+    """Write the `tidegate serve --config` file the operator renders for one role."""
+    config_map = next(o for o in render(resource).objects if o["kind"] == "ConfigMap")
+    path = directory / f"{role}.yaml"
+    path.write_text(config_map["data"][f"{role}.yaml"])
+    return path

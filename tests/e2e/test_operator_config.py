@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import httpx
 
-from tests.e2e.server import ServerProcess
-from tidegate.engine.entrypoints.demo import pod_config
+from tests.e2e.server import ServerProcess, rendered_config
 
 
 def test_a_server_started_from_the_rendered_config_serves_as_configured(tiny_llama_dir, tmp_path):
-    config = pod_config(str(tiny_llama_dir), "from-operator", tmp_path)
+    resource = {
+        "apiVersion": "tidegate.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "demo", "namespace": "default"},
+        "spec": {
+            "model": {
+                "name": "from-operator",
+                "source": {"hostPath": {"path": str(tiny_llama_dir)}},
+            }
+        },
+    }
+    config = rendered_config(resource, "unified", tmp_path)
     server = ServerProcess(tiny_llama_dir, tmp_path, "--config", str(config))
     try:
         server.wait_healthy()

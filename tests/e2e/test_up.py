@@ -15,9 +15,9 @@ import openai
 import psutil
 import pytest
 
+from tests.e2e.server import rendered_config
 from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.render import render
 
 REPO = Path(__file__).resolve().parents[2]
 UNIFIED = REPO / "examples" / "unified-tiny.yaml"
@@ -60,10 +60,9 @@ def stop_and_check_nothing_is_left(server: LocalServer) -> None:
 def reference(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`tidegate serve` with the unified example's rendered config: what up must equal."""
     folder = tmp_path_factory.mktemp("reference")
-    config = render(load_llm_deployments(str(UNIFIED))[0]).objects[0]["data"]["unified.yaml"]
-    (folder / "unified.yaml").write_text(config)
+    config = rendered_config(load_llm_deployments(str(UNIFIED))[0], "unified", folder)
     server = LocalServer.tidegate_serve(
-        tiny_llama_dir, "--config", str(folder / "unified.yaml"), "--host", "127.0.0.1",
+        tiny_llama_dir, "--config", str(config), "--host", "127.0.0.1",
         log=folder / "serve.log",
     )  # fmt: skip
     try:
