@@ -16,6 +16,7 @@ all, each with its whole process session, so nothing is left behind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import tempfile
@@ -122,13 +123,13 @@ def _assign_ports_and_flags(
     for pod in pods:
         pod.port = port if pod in public else free_port()
         pod.command += ["--host", "127.0.0.1", "--port", str(pod.port)]
-    cuda = _cuda_available()
     for pod in engines:
         pod.command += ["--model", str(model_dir)]
         if pod.role in ("prefill", "decode"):
             pod.command += ["--kv-host", "127.0.0.1", "--kv-port", "0"]
         tuning = rendered.tuning.roles[pod.role]
-        if tuning.accelerated and not cuda:
+        # torch is imported (seconds) only when some pool asks for accelerators.
+        if tuning.accelerated and not _cuda_available():
             pod.command += ["--device", "cpu"]
         pod.flags = {name: choice.value for name, choice in tuning.choices().items()}
     for pod in pods:
@@ -137,13 +138,13 @@ def _assign_ports_and_flags(
                 pod.command += [f"--{role}", *(p.url for p in engines if p.role == role)]
     if not public:
         # Several unified replicas: a router in front balances whole requests over them.
-        balancer = LocalPod("router", "balancer", [*tidegate_command(), "router"], port, Path())
-        balancer.log_path = engines[0].log_path.with_name("balancer.log")
-        balancer.command += ["--host", "127.0.0.1", "--port", str(port), "--decode"]
-        balancer.command += [p.url for p in engines]
-        pods.append(balancer)
+        command = [*tidegate_command(), "router", "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--decode", *(p.url for p in engines)]
+        log = engines[0].log_path.with_name("balancer.log")
+        pods.append(LocalPod("router", "balancer", command, port, log))
 
 
+@functools.cache
 def _cuda_available() -> bool:
     try:
         import torch
