@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,18 +128,25 @@ def test_a_different_dtype_is_refused(events) -> None:
         consumer.shutdown()
 
 
-def test_a_silent_producer_times_out(events) -> None:
-    address, sock = events
-    consumer = worker("consumer", address, timeout_s=0.3)
+@contextlib.contextmanager
+def lone_consumer(events_address: str, timeout_s: float) -> Iterator[ZmqConnectorWorker]:
+    """A consumer rank with an empty cache and no producer of its own."""
+    consumer = worker("consumer", events_address, timeout_s=timeout_s)
     try:
         consumer.register_kv_caches(caches(fill=False))
+        yield consumer
+    finally:
+        consumer.shutdown()
+
+
+def test_a_silent_producer_times_out(events) -> None:
+    address, sock = events
+    with lone_consumer(address, timeout_s=0.3) as consumer:
         with socket_nobody_answers() as port:
             consumer.handle(KVConnectorMetadata(recv=[spec("r", "t", port, [0], [0])]))
             event = next_event(sock, timeout_s=3.0)
         assert not event.ok and "timed out" in event.error
         assert not consumer._in_flight
-    finally:
-        consumer.shutdown()
 
 
 class socket_nobody_answers:
@@ -156,9 +164,7 @@ class socket_nobody_answers:
 
 def test_a_refused_connection_fails_the_pull_at_once(events) -> None:
     address, sock = events
-    consumer = worker("consumer", address, timeout_s=30.0)
-    try:
-        consumer.register_kv_caches(caches(fill=False))
+    with lone_consumer(address, timeout_s=30.0) as consumer:
         with socket_nobody_answers() as port:
             pass  # closed again: nothing listens on the port now
         started = time.monotonic()
@@ -166,5 +172,3 @@ def test_a_refused_connection_fails_the_pull_at_once(events) -> None:
         event = next_event(sock, timeout_s=5.0)
         assert not event.ok and "refused" in event.error
         assert time.monotonic() - started < 5.0  # not the 30 s timeout
-    finally:
-        consumer.shutdown()
