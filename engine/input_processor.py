@@ -65,6 +65,10 @@ class InputProcessor:
                     f"{self.vocab_size:,} tokens"
                 )
         params = copy.copy(params)
+        if params.top_k >= self.vocab_size:
+            # Keeping the whole vocabulary is no top-k, as the sampler reads it; and a huge k
+            # could not cross to the engine process, whose messages carry 64-bit integers.
+            params.top_k = 0
         stop_ids = set(params.stop_token_ids or [])
         params.all_stop_token_ids = stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
         return Request(

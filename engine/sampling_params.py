@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Seeds are in [0, SEED_RANGE): torch generators take 64-bit seeds.
+SEED_RANGE = 2**63
 
 
 @dataclass
@@ -68,7 +70,7 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             fail(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             fail("stop strings must not be empty")

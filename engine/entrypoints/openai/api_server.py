@@ -7,11 +7,16 @@ import time
 
 from fastapi import FastAPI
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
-from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware
+from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware, tenant_cache_salt
 from tidegate.engine.entrypoints.openai.engine_client import EngineClient, MetricsRenderer
 from tidegate.engine.entrypoints.openai.errors import install_error_handlers, model_not_found
+from tidegate.engine.entrypoints.openai.openapi import (
+    complete_document,
+    error_responses,
+    generation_responses,
+)
 from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,6 +24,9 @@ from tidegate.engine.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from tidegate.engine.entrypoints.openai.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ModelCard,
     ModelList,
@@ -48,8 +56,12 @@ def build_app(
     model_path: str,
     api_key: str | None = None,
     metrics: MetricsRenderer | None = None,
+    cache_salt_header: str | None = None,
 ) -> FastAPI:
-    """The app serving `engine` under `served_model_names`."""
+    """The app serving `engine` under `served_model_names`.
+
+    With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
+    """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="Tidegate", version=_version())
@@ -64,6 +76,10 @@ def build_app(
         if name is not None and name not in served_model_names:
             raise model_not_found(name, served_model_names)
 
+    def salt(body: CompletionRequest | ChatCompletionRequest, request: HTTPRequest) -> None:
+        if cache_salt_header is not None:
+            body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
+
     def check_alive() -> None:
         if engine.is_dead:
             raise EngineDeadError(engine.dead_reason or "an engine process died")
@@ -73,43 +89,51 @@ def build_app(
             id=name, created=created, root=model_path, max_model_len=engine.max_model_len
         )
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses=generation_responses(CompletionResponse, CompletionResponse),
+    )
     async def create_completion(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
         check_model(body.model)
+        salt(body, request)
         return await completions.create(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
         check_model(body.model)
+        salt(body, request)
         return await chat.create(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:
         return ModelList(data=[card(name) for name in served_model_names])
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", responses=error_responses("4XX"))
     async def retrieve_model(name: str) -> ModelCard:
         check_model(name)
         return card(name)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses("4XX"))
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
         return tokenize(engine, body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses("4XX"))
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(body.model)
         return detokenize(engine, body)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=error_responses("503"))
     async def health() -> Response:
         check_alive()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route() -> Response:
         if metrics is None:
             return Response(b"", media_type=_EMPTY_METRICS_TYPE)
@@ -120,4 +144,5 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
+    complete_document(app, api_key=bool(api_key), open_paths=OPEN_PATHS)
     return app

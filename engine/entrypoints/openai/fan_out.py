@@ -29,7 +29,7 @@ from tidegate.engine.kv_transfer.params import (
     parse_kv_transfer_params,
 )
 from tidegate.engine.outputs import Logprob, RequestOutput
-from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.sampling_params import SEED_RANGE, SamplingParams
 
 # What an X-Request-Id may look like to be used in ids (and logs) as it is.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -56,7 +56,8 @@ def build_sub_requests(
     """Check every prompt x choice (raising ValueError) before anything reaches the engine.
 
     max_tokens None means "up to the context limit"; with a seed, choice i samples with
-    seed + i so that the n choices differ yet the response is reproducible.
+    seed + i (wrapping around within the seed range) so that the n choices differ yet the
+    response is reproducible.
     """
     kv_transfer = check_kv_transfer(engine, kv_transfer_params, len(prompts) * n)
     subs = []
@@ -69,7 +70,8 @@ def build_sub_requests(
         for choice in range(n):
             choice_params = prompt_params
             if params.seed is not None:
-                choice_params = dataclasses.replace(prompt_params, seed=params.seed + choice)
+                seed = (params.seed + choice) % SEED_RANGE
+                choice_params = dataclasses.replace(prompt_params, seed=seed)
             request = engine.input_processor.process(
                 f"{request_id}-{prompt_index}-{choice}", token_ids, choice_params, cache_salt
             )

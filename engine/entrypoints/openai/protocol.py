@@ -6,6 +6,7 @@ answer but are not implemented are refused with a message naming the field.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -33,8 +34,42 @@ _SAMPLING_FIELDS = (
 )
 
 
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """Where (as `[0].content`) and which lone surrogate a JSON value holds, if any.
+
+    JSON can escape one (`"\\ud800"`) though it is no character: neither the tokenizer nor
+    UTF-8 can take it. Walked without recursion, as the nesting is the client's to choose.
+    """
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str) and (match := _SURROGATE.search(item)):
+            return where, match.group()
+        if isinstance(item, dict):
+            pending.extend((where, key) for key in item)
+            pending.extend((f"{where}.{key}", child) for key, child in item.items())
+        elif isinstance(item, list):
+            pending.extend((f"{where}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        found = _lone_surrogate(value)
+        if found is not None:
+            where, char = found
+            raise ValueError(
+                f"{info.field_name}{where} is not valid Unicode: it holds the lone surrogate "
+                f"{char!r}; a \\uD800-\\uDFFF escape must be one half of a surrogate pair"
+            )
+        return value
 
 
 def _unsupported(name: str, detail: str = "") -> ValueError:

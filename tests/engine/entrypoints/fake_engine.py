@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 
 from tidegate.engine.core.request import Request
 from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
@@ -53,6 +54,8 @@ class FakeEngine:
         self, request: Request, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         self.submitted.append(request)
+        # What AsyncLLM sends to the engine-core process must encode (64-bit integers only).
+        msgspec.msgpack.encode(request.sampling_params)
         try:
             if self.admit is not None and len(self.submitted) > self.admit:
                 raise EngineOverloadedError("the waiting queue is full", retry_after_s=7)

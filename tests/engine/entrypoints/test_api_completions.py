@@ -90,6 +90,23 @@ def test_n_fans_out_with_choice_index_prompt_times_n_and_seed_plus_choice(api, e
     assert body["usage"]["completion_tokens"] == 12
 
 
+def test_seed_plus_choice_wraps_around_within_the_seed_range(api, engine):
+    # The last seed with n > 1 was refused: "seed must be in [0, 2**63), got 2**63".
+    body = {"model": MODEL, "prompt": "x", "n": 3, "max_tokens": 1, "seed": 2**63 - 1}
+    assert api.post("/v1/completions", body).status_code == 200
+    assert [r.sampling_params.seed for r in engine.submitted] == [2**63 - 1, 0, 1]
+
+
+def test_a_top_k_past_the_vocabulary_is_no_top_k(api, engine):
+    # Any top_k >= the vocabulary keeps every token; one past 2**64 - 1 could not be sent to
+    # the engine process (msgspec's OverflowError, a 500).
+    vocab_size = engine.input_processor.vocab_size
+    for top_k in (vocab_size - 1, vocab_size, 2**64, 2**70):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "top_k": top_k}
+        assert api.post("/v1/completions", body).status_code == 200
+    assert [r.sampling_params.top_k for r in engine.submitted] == [vocab_size - 1, 0, 0, 0]
+
+
 def test_sampling_fields_reach_the_engine(api, engine):
     api.post(
         "/v1/completions",

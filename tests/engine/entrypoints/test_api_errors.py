@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.engine.entrypoints.fake_engine import MAX_MODEL_LEN, MODEL, SyncAPI, parse_sse
@@ -138,6 +140,40 @@ def test_a_role_the_template_refuses_is_400(api):
     body = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}
     error = error_of(api.post("/v1/chat/completions", body), 400)
     assert "roles must be" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "where"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800"}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt", "prompt[1]"),
+        ("/v1/completions", {"stop": ["\ud800"]}, "stop", "stop[0]"),
+        ("/v1/completions", {"cache_salt": "\ud800"}, "cache_salt", "cache_salt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [*CHAT, {"role": "user", "content": "\ud800"}]},
+            "messages",
+            "messages[1].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages",
+            "messages[0].content[0].text",
+        ),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt", "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_where(api, engine, path, fields, param, where):
+    # JSON can escape half of a surrogate pair alone; the tokenizer raised TypeError (a 500).
+    given = {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": "a"}
+    body = {"model": MODEL, **given, **fields}
+    error = error_of(post_raw(api, path, json.dumps(body).encode()), 400, param=param)
+    assert error["message"].startswith(f"{where} is not valid Unicode")
+    assert not engine.submitted
+    # A pair is one character, and fine.
+    body = {**body, param: "\ud83c\udf0a" if param != "messages" else CHAT}
+    assert post_raw(api, path, json.dumps(body).encode()).status_code == 200
 
 
 def test_equal_best_of_and_unknown_fields_are_accepted(api):

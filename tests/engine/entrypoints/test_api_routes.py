@@ -81,3 +81,29 @@ def test_metrics_renders_the_registry_or_nothing(api, engine, tiny_llama_dir):
 
 def test_version(api):
     assert api.get("/version").json() == {"version": importlib.metadata.version("tidegate")}
+
+
+def test_the_openapi_document_declares_every_answer(engine, tiny_llama_dir):
+    app = build_app(engine, served_model_names=[MODEL], model_path=str(tiny_llama_dir), api_key="k")
+    document = SyncAPI(app).get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+    paths = document["paths"]
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        answers = paths[path]["post"]["responses"]
+        # Errors are 4xx (never FastAPI's 422) and 503/504, all in OpenAI's error body.
+        assert set(answers) == {"200", "4XX", "503", "504"}
+        assert all(
+            answers[s]["content"]["application/json"]["schema"] == error
+            for s in ("4XX", "503", "504")
+        )
+        assert set(answers["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert paths[path]["post"]["security"] == [{"apiKey": []}]
+    assert "ChatCompletionChunk" in document["components"]["schemas"]
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    assert document["components"]["securitySchemes"] == {
+        "apiKey": {"type": "http", "scheme": "bearer"}
+    }
+    # Probes need no key; /health answers with no body, /metrics with text.
+    assert "security" not in paths["/health"]["get"]
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
