@@ -20,7 +20,7 @@ from tidegate.engine.core.messages import EngineCoreOutputs, EngineCoreReady, En
 from tidegate.engine.core.request import Request
 from tidegate.engine.core_client import EngineCoreClient
 from tidegate.engine.data_parallel import DataParallelRouter
-from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
+from tidegate.engine.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
@@ -58,9 +58,11 @@ class AsyncLLM:
         router: DataParallelRouter,
         metrics: PrometheusMetrics | None,
         kv_role: str = "none",
+        request_timeout: float | None = None,
     ) -> None:
         self.model_config = model_config
         self.kv_role = kv_role
+        self.request_timeout = request_timeout
         self.tokenizer = tokenizer
         self.clients = clients
         self.max_model_len = max_model_len
@@ -85,6 +87,7 @@ class AsyncLLM:
         args: EngineArgs,
         max_waiting_requests: int | None = None,
         metrics: PrometheusMetrics | None = None,
+        request_timeout: float | None = None,
     ) -> AsyncLLM:
         """Check the model folder here, start the engine cores, and wait until all serve."""
         model_config = ModelConfig.from_pretrained(args.model)
@@ -127,6 +130,7 @@ class AsyncLLM:
             router,
             metrics,
             kv_role=args.kv_role,
+            request_timeout=request_timeout,
         )
         holder.append(engine)
         dead = next((c.dead_reason for c in clients if c.dead_reason is not None), None)
@@ -154,7 +158,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Submit a validated request and yield its deltas until it finishes.
 
-        Closing the iterator early (the client went away) aborts the request in the engine.
+        Closing the iterator early (the client went away) aborts the request in the engine,
+        and so does --request-timeout running out, which raises RequestTimeoutError.
         """
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
@@ -183,7 +188,7 @@ class AsyncLLM:
                 )
             )
             while True:
-                item = await stream.queue.get()
+                item = await self._next_output(stream)
                 if isinstance(item, BaseException):
                     finished = True  # the engine already forgot it (rejected or dead)
                     raise item
@@ -193,10 +198,20 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.output_processor.abort(request_id)
+            # Still tracked means still running: a request whose last output waits unread in
+            # its queue has finished already, and was counted then.
+            if not finished and self.output_processor.abort(request_id) is not None:
                 self._record_finished(stream, "abort")
                 self._in_background(client.abort_requests([request_id]))
+
+    async def _next_output(self, stream: _Stream) -> RequestOutput | BaseException:
+        if self.request_timeout is None:
+            return await stream.queue.get()
+        left = stream.arrival_time + self.request_timeout - time.monotonic()
+        try:
+            return await asyncio.wait_for(stream.queue.get(), max(left, 0.0))
+        except TimeoutError:
+            raise RequestTimeoutError(self.request_timeout) from None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its iterator ends with finish_reason 'abort'."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else is said
+API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag gives it
 
 
 class EngineArgs(BaseModel):
@@ -96,6 +97,20 @@ class EngineArgs(BaseModel):
         description="Seconds a producer keeps a finished prompt's blocks for its consumer, and "
         "a consumer waits for them before computing the prompt itself.",
     )
+    compilation_level: Literal[0, 1, 2] | None = Field(
+        None,
+        description="0: eager; 1: torch.compile of the model (attention stays eager); 2: also "
+        "CUDA graphs for decode-only steps (CUDA; not supported yet). Default: 1 on CUDA, the "
+        "faster measured level on CPU (0: compiling did not pay there).",
+    )
+    enforce_eager: bool = Field(
+        False, description="Never compile: the same as compilation_level 0 (vLLM's flag)."
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Directory for compiled artifacts (inductor's caches); one that survives "
+        "restarts makes the next start's compilation a cache load. Default: torch's, under /tmp.",
+    )
     seed: int = Field(0, ge=0, description="Seed for requests that give none.")
     num_threads: int | None = Field(
         None,
@@ -120,6 +135,11 @@ class EngineArgs(BaseModel):
                 "scheduling_policy 'phased' computes whole prompts: it takes no "
                 "long_prefill_token_threshold and no max_num_partial_prefills above 1"
             )
+        if self.enforce_eager and self.compilation_level not in (None, 0):
+            raise ValueError(
+                f"enforce_eager contradicts compilation_level {self.compilation_level}; "
+                "give one of them (enforce_eager is compilation_level 0)"
+            )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
                 f"max_long_partial_prefills ({self.max_long_partial_prefills}) must not exceed "
@@ -128,23 +148,46 @@ class EngineArgs(BaseModel):
         return self
 
 
-class ServerArgs(BaseModel):
-    """How `tidegate serve` listens and admits requests (engine shape is EngineArgs)."""
+class TenancyArgs(BaseModel):
+    """Who may call an HTTP entry point, and whose cached prefixes a request may reuse."""
 
     model_config = ConfigDict(extra="forbid")
+
+    api_key: SecretStr | None = Field(
+        None,
+        description="Require `Authorization: Bearer KEY` on every API route (not on the probes "
+        "or /metrics); also read from TIDEGATE_API_KEY. Visible to `ps`: prefer api_key_file.",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="File holding the API key (a mounted Secret); surrounding whitespace is "
+        "ignored.",
+    )
+    cache_salt_header: str | None = Field(
+        None,
+        description="Request header naming the tenant (set by an authenticating gateway, e.g. "
+        "x-tenant-id): its value becomes the request's cache_salt, so tenants never share "
+        "cached prefix blocks; a cache_salt in the body is replaced, and dropped when the "
+        "header is absent.",
+    )
+
+
+class ServerArgs(TenancyArgs):
+    """How `tidegate serve` listens and admits requests (engine shape is EngineArgs)."""
 
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     served_model_name: list[str] | None = Field(
         None, description="Names clients use in `model`; the first is reported. Default: --model."
     )
-    api_key: str | None = Field(
-        None,
-        description="Require `Authorization: Bearer KEY` on the API (not /health, /metrics); "
-        "also read from TIDEGATE_API_KEY.",
-    )
     max_waiting_requests: int | None = Field(
         None, ge=1, description="Refuse requests with 429 while this many are queued."
+    )
+    request_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a request may take from arrival to its last token; a late one is "
+        "aborted (its KV blocks freed) and answered 504, or ends its stream with that error.",
     )
     metrics_compat: Literal["none", "vllm"] = Field(
         "none", description="Also export metrics under vLLM's `vllm:` names."
@@ -157,10 +200,8 @@ class ServerArgs(BaseModel):
     )
 
 
-class RouterArgs(BaseModel):
+class RouterArgs(TenancyArgs):
     """How `tidegate router` finds prefill and decode instances and listens (disaggregated)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     prefill: list[str] = Field(
         default_factory=list,

@@ -13,3 +13,14 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(RuntimeError):
+    """A request ran past --request-timeout; the engine aborted it and freed its blocks."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the request took longer than this server allows (--request-timeout {timeout_s:g} s)"
+            " and was aborted"
+        )
+        self.timeout_s = timeout_s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import types
@@ -148,10 +147,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from tidegate.engine.entrypoints.serve import run_server
 
     engine_args = engine_args_from(ns)
-    server_args = engine_args_from(ns, ServerArgs)
-    if server_args.api_key is None and os.environ.get("TIDEGATE_API_KEY"):
-        server_args.api_key = os.environ["TIDEGATE_API_KEY"]
-    return run_server(engine_args, server_args)
+    return run_server(engine_args, engine_args_from(ns, ServerArgs))
 
 
 def _router(ns: argparse.Namespace) -> int:

@@ -54,6 +54,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
 async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     started = time.monotonic()
+    from tidegate.engine.entrypoints.openai.auth import load_api_key
+
+    try:
+        api_key = load_api_key(server_args)
+    except ValueError as error:
+        logger.error("tidegate serve could not start: %s", error)
+        return 1
     names = server_args.served_model_name or [engine_args.model]
     metrics = PrometheusMetrics(
         names[0],
@@ -66,7 +73,12 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.ensure_future(
-        AsyncLLM.start(engine_args, server_args.max_waiting_requests, metrics)
+        AsyncLLM.start(
+            engine_args,
+            max_waiting_requests=server_args.max_waiting_requests,
+            metrics=metrics,
+            request_timeout=server_args.request_timeout,
+        )
     )
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -91,8 +103,9 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         engine,
         served_model_names=names,
         model_path=engine_args.model,
-        api_key=server_args.api_key,
+        api_key=api_key,
         metrics=metrics,
+        cache_salt_header=server_args.cache_salt_header,
     )
     config = uvicorn.Config(
         app,

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware, tenant_cache_salt
 from tidegate.engine.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     OpenAIError,
@@ -32,10 +33,15 @@ from tidegate.engine.router.rewrite import CHAT_PATH, COMPLETIONS_PATH
 logger = logging.getLogger("tidegate.router")
 
 ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, "/v1/models", "/health", "/live", "/metrics")
+# Probes and scrapers reach these without the API key.
+OPEN_PATHS = ("/health", "/live", "/metrics")
 
 
-def build_app(args: RouterArgs) -> Starlette:
-    """The router as an ASGI app; its lifespan runs the HTTP client and the health checks."""
+def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
+    """The router as an ASGI app; its lifespan runs the HTTP client and the health checks.
+
+    With `api_key`, the router checks it before any leg starts; the instances check it again.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -55,6 +61,7 @@ def build_app(args: RouterArgs) -> Starlette:
             # One round before serving, so that /health and the first requests are right.
             await monitor.run_round()
             app.state.proxy = proxy
+            app.state.cache_salt_header = args.cache_salt_header
             checking = asyncio.create_task(monitor.run(), name="router-health")
             try:
                 yield
@@ -76,7 +83,10 @@ def build_app(args: RouterArgs) -> Starlette:
         HTTPException: _http_error,
         Exception: _unexpected_error,
     }
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    return app
 
 
 async def _completion(request: Request) -> Response:
@@ -87,6 +97,9 @@ async def _completion(request: Request) -> Response:
         return error_response(errors.not_json(str(error)))
     if not isinstance(body, dict):
         return error_response(errors.not_json(f"got a JSON {type(body).__name__}"))
+    header = request.app.state.cache_salt_header
+    if header is not None:
+        body["cache_salt"] = tenant_cache_salt(request.headers, header)
     proxy: Proxy = request.app.state.proxy
     return await _unless_disconnected(
         request, proxy.completion(request.url.path, body, _upstream_headers(request))
@@ -121,13 +134,17 @@ async def _metrics(request: Request) -> Response:
 
 
 def _upstream_headers(request: Request) -> dict[str, str]:
-    """What both legs carry: one request id for the client's request, and its credentials."""
+    """What both legs carry: one request id for the client's request, its credentials, its tenant."""
     headers = {
         "content-type": "application/json",
         "x-request-id": request.headers.get("x-request-id") or uuid.uuid4().hex,
     }
     if "authorization" in request.headers:
         headers["authorization"] = request.headers["authorization"]
+    # An instance configured with the same header derives the same salt.
+    tenant = request.app.state.cache_salt_header
+    if tenant is not None and tenant in request.headers:
+        headers[tenant.lower()] = request.headers[tenant]
     return headers
 
 

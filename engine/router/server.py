@@ -12,6 +12,7 @@ import logging
 import uvicorn
 
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.entrypoints.openai.auth import load_api_key
 from tidegate.engine.entrypoints.serve import StoppableServer
 from tidegate.engine.process import LOG_FORMAT, name_process
 from tidegate.engine.router.app import build_app
@@ -26,8 +27,13 @@ def run_router(args: RouterArgs) -> int:
     if args.log_level != "debug":
         # httpx logs every upstream request at INFO: two lines per client request.
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        api_key = load_api_key(args)
+    except ValueError as error:
+        logger.error("tidegate router could not start: %s", error)
+        return 1
     config = uvicorn.Config(
-        build_app(args),
+        build_app(args, api_key),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -13,9 +13,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.client import HEADERS, open_stream
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
-from tests.e2e.test_faults import HEADERS, open_stream
 
 PROMPTS = ["The tide comes in and", "Once upon a time", "A harbour at night", "Salt and"]
 

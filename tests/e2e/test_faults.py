@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from pathlib import Path
@@ -12,72 +11,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.e2e.client import HEADERS, metric, open_stream, wait_for
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
-
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def metric(base_url: str, name: str) -> float:
-    """The value of one unlabelled-by-us sample from /metrics."""
-    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
-def wait_for(condition, deadline_s: float, what: str) -> None:
-    """Poll `condition` until it holds or the deadline passes."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class EventStream:
-    """The SSE events of one streaming response, read incrementally."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self._lines = response.aiter_lines()
-
-    async def next_event(self) -> dict | None:
-        """The next event, or None at [DONE] or the end of the connection."""
-        async for line in self._lines:
-            if line == "data: [DONE]":
-                return None
-            if line.startswith("data: "):
-                return json.loads(line[len("data: ") :])
-        return None
-
-    async def rest(self) -> list[dict]:
-        """Every remaining event."""
-        events = []
-        while (event := await self.next_event()) is not None:
-            events.append(event)
-        return events
-
-
-async def open_stream(client: httpx.AsyncClient, max_tokens: int, **extra) -> EventStream:
-    """A streaming completion that has answered 200 (so it is admitted and running)."""
-    request = client.build_request(
-        "POST",
-        "/v1/completions",
-        json={
-            "model": SERVED_NAME,
-            "prompt": "The tide comes in and",
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            **extra,
-        },
-        headers=HEADERS,
-    )
-    response = await client.send(request, stream=True)
-    assert response.status_code == 200, await response.aread()
-    return EventStream(response)
 
 
 def start_server(tiny_llama_dir: Path, tmp_path: Path, *flags: str) -> ServerProcess:
@@ -96,14 +32,6 @@ def test_api_server_engine_core_and_worker_are_named_processes(server):
     worker = children["tidegate::worker_tp0"]
     assert worker.ppid() == children["tidegate::engine_core_0"].pid
     assert worker.name().startswith("tidegate::work")  # `top` shows the 15-byte comm
-
-
-def aborted_requests(base_url: str) -> float:
-    """tidegate:request_success_total{finished_reason="abort"}."""
-    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line.startswith("tidegate:request_success_total{") and '"abort"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no abort counter in /metrics")
 
 
 def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_path):
@@ -130,7 +58,9 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_pa
             "the disconnected request's blocks to be freed",
         )
         # Freed because it was aborted, not because it ran to its end.
-        assert aborted_requests(server.base_url) == 1
+        assert (
+            metric(server.base_url, "tidegate:request_success_total", finished_reason="abort") == 1
+        )
     finally:
         server.stop()
 

@@ -7,7 +7,11 @@ import asyncio
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.async_llm import AsyncLLM
 from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.messages import EngineCoreOutput, EngineCoreOutputs
+from tidegate.engine.data_parallel import DataParallelRouter
 from tidegate.engine.metrics import PrometheusMetrics
+from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.tokenizer import Tokenizer
 
 
 def test_deltas_add_up_to_the_offline_output_and_abort_ends_the_stream(tiny_llama_dir):
@@ -44,3 +48,57 @@ def test_deltas_add_up_to_the_offline_output_and_abort_ends_the_stream(tiny_llam
         'tidegate:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 1.0'
         in metrics
     )
+
+
+class _FakeCore:
+    """Stands in for an EngineCoreClient: records what AsyncLLM sends it."""
+
+    dead_reason = None
+    max_waiting_requests = None
+
+    def __init__(self) -> None:
+        self.added = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def add_request(self, request) -> None:
+        self.added.set()
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+
+
+def test_a_request_that_finished_before_its_consumer_left_is_counted_once(tiny_llama_dir):
+    # A slow client: the engine finishes the request while the consumer still holds an
+    # earlier delta, and then the consumer goes away without reading the last one.
+    async def run() -> tuple[str, list[str]]:
+        core = _FakeCore()
+        metrics = PrometheusMetrics("tiny")
+        engine = AsyncLLM(
+            ModelConfig.from_pretrained(tiny_llama_dir),
+            Tokenizer(tiny_llama_dir),
+            [core],  # type: ignore[list-item]
+            max_model_len=256,
+            block_size=16,
+            router=DataParallelRouter(1, max_hashes_per_core=64),
+            metrics=metrics,
+        )
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        stream = engine.generate(engine.input_processor.process("r", [10, 11, 12], params))
+        first = asyncio.ensure_future(anext(stream))
+        await core.added.wait()
+        engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [5])]))
+        assert not (await first).finished
+        engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [6], "length")]))
+        await stream.aclose()
+        return metrics.render()[0].decode(), core.aborted
+
+    metrics, aborted = asyncio.run(run())
+    finished = {
+        reason: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("tidegate:request_success_total{")
+        for reason in ("stop", "length", "abort")
+        if f'finished_reason="{reason}"' in line
+    }
+    assert finished == {"stop": 0, "length": 1, "abort": 0}
+    assert aborted == []  # nothing left to abort in the engine

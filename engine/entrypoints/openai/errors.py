@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidegate.engine.entrypoints.openai.responses import ErrorInfo, ErrorResponse
-from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
+from tidegate.engine.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         )
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {exc}", type="server_error")
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(504, str(exc), type="timeout_error", code="request_timeout")
     if isinstance(exc, ClientDisconnectedError):
         return OpenAIError(CLIENT_CLOSED_REQUEST, "the client disconnected", code="client_closed")
     # pydantic's ValidationError is a ValueError too, but one raised inside the server is a bug.
@@ -179,6 +181,7 @@ def install_error_handlers(app: FastAPI) -> None:
         RequestValidationError,
         EngineOverloadedError,
         EngineDeadError,
+        RequestTimeoutError,
         ClientDisconnectedError,
         ValueError,
         StarletteHTTPException,

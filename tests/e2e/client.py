@@ -1,0 +1,83 @@
+"""What the e2e tests do as clients of a server: authenticate, read /metrics, follow SSE, poll."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import API_KEY, SERVED_NAME
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of the /metrics samples called `name` whose labels include `labels`."""
+    body = httpx.get(f"{base_url}/metrics").text
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    if not found:
+        raise AssertionError(f"{name}{labels or ''} not in /metrics")
+    return sum(found)
+
+
+def wait_for(condition, deadline_s: float, what: str) -> None:
+    """Poll `condition` until it holds or the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class EventStream:
+    """The SSE events of one streaming response, read incrementally."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._lines = response.aiter_lines()
+        self.done = False  # [DONE] was read
+
+    async def next_event(self) -> dict | None:
+        """The next event, or None at [DONE] or the end of the connection."""
+        async for line in self._lines:
+            if line == "data: [DONE]":
+                self.done = True
+                return None
+            if line.startswith("data: "):
+                return json.loads(line[len("data: ") :])
+        return None
+
+    async def rest(self) -> list[dict]:
+        """Every remaining event."""
+        events = []
+        while (event := await self.next_event()) is not None:
+            events.append(event)
+        return events
+
+
+async def open_stream(client: httpx.AsyncClient, max_tokens: int, **extra) -> EventStream:
+    """A streaming completion that has answered 200 (so it is admitted and running)."""
+    request = client.build_request(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": SERVED_NAME,
+            "prompt": "The tide comes in and",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            **extra,
+        },
+        headers=HEADERS,
+    )
+    response = await client.send(request, stream=True)
+    assert response.status_code == 200, await response.aread()
+    return EventStream(response)
