@@ -31,8 +31,15 @@ class OperatorOptions:
     """What `tidegate operator` is started with."""
 
     render: RenderOptions = field(default_factory=RenderOptions)
-    # Retry delay after the API server refused a write (conflict, outage, throttling).
+    # Retry delay after the API server refused a write (conflict, outage, throttling, or an
+    # object it will never take); it doubles with each retry up to the maximum, so that a
+    # refusal that lasts costs a write every few minutes, not every few seconds.
     retry_seconds: float = 10.0
+    max_retry_seconds: float = 600.0
+
+    def retry_delay(self, retry: int) -> float:
+        """Seconds to wait after the `retry`-th retry (0: the first attempt) failed."""
+        return min(self.retry_seconds * 2 ** min(retry, 32), self.max_retry_seconds)
 
 
 class _State:
@@ -83,7 +90,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         if state.kube is not None:
             await state.kube.close()
 
-    async def run(body: kopf.Body, logger: Any) -> None:
+    async def run(body: kopf.Body, logger: Any, retry: int = 0) -> None:
         meta = body["metadata"]
         key = (meta.get("namespace", "default"), meta["name"])
         lock = state.lock(*key)
@@ -95,11 +102,11 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         async with lock:
             while True:
                 state.pending.discard(key)
-                await reconcile_once(*key, logger)
+                await reconcile_once(*key, logger, retry)
                 if key not in state.pending:
                     return
 
-    async def reconcile_once(namespace: str, name: str, logger: Any) -> None:
+    async def reconcile_once(namespace: str, name: str, logger: Any, retry: int) -> None:
         assert state.kube is not None, "login handler did not run"
         # Read afresh: the body of a queued event may be stale.
         latest = await state.kube.get(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name)
@@ -108,15 +115,17 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         try:
             outcome = await reconcile(state.kube, latest, options.render, logger)
         except KubeError as error:
-            raise kopf.TemporaryError(str(error), delay=options.retry_seconds) from error
+            raise kopf.TemporaryError(str(error), delay=options.retry_delay(retry)) from error
+        # A spec the operator refuses is in status and not retried: nothing would change until
+        # the spec does, and a new spec is a new reconcile.
         if outcome.error is not None and outcome.error[0] == "ApplyFailed":
-            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_seconds)
+            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
     @kopf.on.resume(*resource, registry=registry)
-    async def reconcile_resource(body: kopf.Body, logger: Any, **_: Any) -> None:
-        await run(body, logger)
+    async def reconcile_resource(body: kopf.Body, logger: Any, retry: int = 0, **_: Any) -> None:
+        await run(body, logger, retry)
 
     async def child_changed(body: kopf.Body, type: str | None, logger: Any, **_: Any) -> None:
         owner = _owner_name(body)

@@ -58,6 +58,12 @@ def is_subset(want: Any, have: Any) -> bool:
     return want == have
 
 
+def refusal(error: SpecError) -> tuple[str, str]:
+    """The Degraded condition's (reason, message) for a spec the operator will not serve."""
+    reason = "TuningRefused" if isinstance(error, TuningError) else "InvalidSpec"
+    return reason, str(error)
+
+
 def _key(obj: Mapping[str, Any]) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
@@ -80,10 +86,8 @@ async def reconcile(
     roles: list[RoleState]
     try:
         rendered = render(dict(resource), options)
-    except TuningError as error:
-        outcome.error = ("TuningRefused", str(error))
-    except SpecError as error:
-        outcome.error = ("InvalidSpec", str(error))
+    except SpecError as error:  # TuningError too
+        outcome.error = refusal(error)
     if outcome.error is not None:
         # Keep what runs: a bad edit must not take a working endpoint down.
         logger.warning(f"not applying {name}: {outcome.error[1]}")

@@ -24,12 +24,22 @@ from typing import Any
 import yaml
 
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
-from tidegate.operator.spec import API_VERSION, KIND, LLMDeploymentSpec, SpecError, parse_spec
+from tidegate.operator.spec import (
+    API_VERSION,
+    KIND,
+    LLMDeploymentSpec,
+    SecretKeyRef,
+    SpecError,
+    parse_spec,
+)
 from tidegate.operator.tuning import DTYPE_BYTES, RoleTuning, Tuning, tune
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tidegate/engine:0.1.0"
 ENGINE_PORT = 8000
 CONFIG_DIR = "/etc/tidegate"
+# The API key's Secret is mounted here as a file: never in the ConfigMap, an env var or args.
+SECRET_DIR = "/var/run/secrets/tidegate"
+API_KEY_FILE = f"{SECRET_DIR}/api-key"
 MODEL_DIR = "/model"
 SPEC_HASH = "tidegate.dev/spec-hash"
 MANAGED_BY = "tidegate-operator"
@@ -181,6 +191,7 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     for field, choice in choices.items():
         values[field] = choice.value
         reasons[field] = choice.reason
+    values.update(_tenancy_values(spec))
     _check_fields(values, EngineArgs, ServerArgs)
     return _config_text(f"tidegate serve --config: {tuning.role} pods", values, reasons)
 
@@ -191,9 +202,20 @@ def _router_config(ctx: _Context) -> str:
         "decode": [ctx.service_url(f"{ctx.name}-decode")],
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
+        **_tenancy_values(ctx.spec),
     }
     _check_fields(values, RouterArgs)
     return _config_text("tidegate router --config: router pods", values, {})
+
+
+def _tenancy_values(spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The key file and the tenant header: every engine and the router check the same."""
+    values: dict[str, Any] = {}
+    if spec.auth is not None and spec.auth.api_key_secret_ref is not None:
+        values["api_key_file"] = API_KEY_FILE
+    if spec.auth is not None and spec.auth.tenant_header is not None:
+        values["cache_salt_header"] = spec.auth.tenant_header.lower()
+    return values
 
 
 def _check_fields(values: dict[str, Any], *models: type) -> None:
@@ -406,20 +428,25 @@ class _Context:
         if self.spec.image_pull_policy:
             container["imagePullPolicy"] = self.spec.image_pull_policy
         # The root filesystem is read-only: caches (Triton, torch, tokenizers) go under /tmp.
-        env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
-        if self.spec.auth and self.spec.auth.api_key_secret_ref and role != "fetch-model":
-            # The key stays in its Secret: never in the ConfigMap, the args or the logs.
-            ref = self.spec.auth.api_key_secret_ref
-            env.append(
-                {
-                    "name": "TIDEGATE_API_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-                }
-            )
-        container["env"] = env
+        container["env"] = [{"name": "HOME", "value": "/tmp"}]
+        if self.api_key_ref is not None and role != "fetch-model":
+            mount = {"name": "api-key", "mountPath": SECRET_DIR, "readOnly": True}
+            container["volumeMounts"].append(mount)
         return container
 
+    @property
+    def api_key_ref(self) -> SecretKeyRef | None:
+        return self.spec.auth.api_key_secret_ref if self.spec.auth is not None else None
+
     def pod_spec(self, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.api_key_ref is not None:
+            # Readable by the pod's group (fsGroup) only; read once, at start-up.
+            secret = {
+                "secretName": self.api_key_ref.name,
+                "items": [{"key": self.api_key_ref.key, "path": "api-key"}],
+                "defaultMode": 0o440,
+            }
+            volumes = [*volumes, {"name": "api-key", "secret": secret}]
         return {
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,

@@ -2,22 +2,25 @@
 
 Field names are the CRD's camelCase names (aliases); Python code reads the snake_case
 attributes. A test walks the CRD's openAPIV3Schema and this model side by side, so the two
-cannot drift. The cross-field rules that the CRD checks with CEL are checked here again, so
-that `tidegate plan` and the operator give the same message a `kubectl apply` would.
+cannot drift. The rules that the CRD checks with CEL (across fields, and on the free-form
+strings that reach a pod) are checked here again, so that `tidegate plan` and the operator
+give the same message a `kubectl apply` would: the operator reads resources the API server
+never checked too (created before the CRD tightened, or by a cluster that skips validation).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PlainValidator,
     ValidationError,
     WithJsonSchema,
-    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -29,21 +32,84 @@ PLURAL = "llmdeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 
-def _int_or_auto(value: Any) -> int | str:
-    if value == "auto":
+# The most accelerators one pod may have (accelerator.count), and so the widest TP or DP.
+MAX_PARALLEL_SIZE = 64
+# A step's token budget and chunk: beyond this a step's activations need more memory than
+# any accelerator has, and its buffers would be allocated at start-up all the same.
+MAX_STEP_TOKENS = 1 << 20
+
+
+def _int_or_auto(maximum: int) -> Any:
+    """An x-kubernetes-int-or-string field: 'auto' or an integer from 1 to `maximum`.
+
+    The CRD checks it with a CEL rule; one validator gives one message (the CRD's) instead of
+    one per branch of a union.
+    """
+    message = f"must be 'auto' or an integer from 1 to {maximum}"
+
+    def check(value: Any) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+            raise ValueError(f"{message}, not {_shown(value)}")
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"must be 'auto' or an integer of at least 1, not {value!r}")
-    return value
+
+    return Annotated[
+        int | Literal["auto"],
+        PlainValidator(check),
+        WithJsonSchema(
+            {"anyOf": [{"type": "integer", "minimum": 1, "maximum": maximum}, {"enum": ["auto"]}]}
+        ),
+    ]
 
 
-# The CRD declares these as x-kubernetes-int-or-string with a CEL rule; one validator gives
-# one message instead of one per branch of a union.
-PositiveIntOrAuto = Annotated[
-    int | Literal["auto"],
-    PlainValidator(_int_or_auto),
-    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1}, {"enum": ["auto"]}]}),
+ParallelSize = _int_or_auto(MAX_PARALLEL_SIZE)
+StepTokens = _int_or_auto(MAX_STEP_TOKENS)
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A user's value for a message, cut short: messages end up in status and events."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _rule(holds: Any, message: str) -> AfterValidator:
+    """A CEL rule of the CRD on one field: refused here with the rule's message."""
+
+    def check(value: Any) -> Any:
+        if not holds(value):
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
+
+
+def _matches(pattern: str, message: str) -> AfterValidator:
+    """The CRD's rule `self.matches('^pattern$')` (RE2 syntax, which Python reads alike)."""
+    compiled = re.compile(pattern)
+    return _rule(lambda value: compiled.fullmatch(value) is not None, message)
+
+
+# Free-form strings that end up in a pod: each allows what Kubernetes and the engine take.
+DNSSubdomain = Annotated[
+    str,
+    Field(min_length=1, max_length=253),
+    _matches(
+        r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*",
+        "must be a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', starting and "
+        "ending with a letter or digit",
+    ),
 ]
+_no_dots = _rule(lambda path: ".." not in path, "path must not contain '..'")
+
+
+def _quantity(pattern: str) -> Any:
+    """A CPU or memory quantity above 0: as a limit, Kubernetes reads 0 as no limit at all."""
+    return Annotated[
+        str,
+        Field(pattern=pattern, max_length=32),
+        _rule(lambda value: not re.fullmatch(r"[0.]*[a-zA-Z]*", value), "must be more than 0"),
+    ]
 
 
 class SpecModel(BaseModel):
@@ -57,21 +123,16 @@ class SpecModel(BaseModel):
 class PVCSource(SpecModel):
     """A model folder on a PersistentVolumeClaim, mounted read-only."""
 
-    claim_name: str = Field(min_length=1, max_length=253)
-    path: str = Field("", description="Folder inside the volume; empty means its root.")
-
-    @field_validator("path")
-    @classmethod
-    def _inside_the_volume(cls, path: str) -> str:
-        if ".." in path:
-            raise ValueError("path must not contain '..'")
-        return path
+    claim_name: DNSSubdomain
+    path: Annotated[str, Field(max_length=4096), _no_dots] = Field(
+        "", description="Folder inside the volume; empty means its root."
+    )
 
 
 class HostPathSource(SpecModel):
     """A model folder on every node's disk (single-node clusters, pre-seeded nodes)."""
 
-    path: str = Field(min_length=1, pattern=r"^/")
+    path: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^/"), _no_dots]
 
 
 class ModelSource(SpecModel):
@@ -79,9 +140,19 @@ class ModelSource(SpecModel):
 
     pvc: PVCSource | None = None
     host_path: HostPathSource | None = None
-    uri: str | None = Field(
+    uri: (
+        Annotated[
+            str,
+            Field(max_length=4096),
+            _matches(
+                r"(https?|file)://[!-~]+",
+                "must be an http://, https:// or file:// URL of printable ASCII characters, "
+                "without spaces (percent-encode others)",
+            ),
+        ]
+        | None
+    ) = Field(
         None,
-        pattern=r"^(https?|file)://",
         description="A .tar or .tar.gz of the model folder, fetched by an init container.",
     )
 
@@ -96,12 +167,19 @@ class ModelSource(SpecModel):
 class ModelSpec(SpecModel):
     """The model to serve and what the tuner may know about it."""
 
-    name: str = Field(min_length=1, max_length=253, description="Served model name.")
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=253),
+        _rule(
+            lambda name: not re.search(r"[\x00-\x1f\x7f-\x9f]", name),
+            "must not contain control characters (such as newlines or tabs)",
+        ),
+    ] = Field(description="Served model name.")
     source: ModelSource
-    parameter_count: float | None = Field(None, gt=0, description="Weights, for tuning.")
-    num_attention_heads: int | None = Field(None, ge=1)
-    num_key_value_heads: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=16)
+    parameter_count: float | None = Field(None, ge=1, le=1e14, description="Weights, for tuning.")
+    num_attention_heads: int | None = Field(None, ge=1, le=65536)
+    num_key_value_heads: int | None = Field(None, ge=1, le=65536)
+    max_model_len: int | None = Field(None, ge=16, le=1 << 24)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 
@@ -109,9 +187,9 @@ class RoleSpec(SpecModel):
     """One engine pool; the optional fields override spec.parallelism and spec.scheduling."""
 
     replicas: int = Field(1, ge=0, le=1000)
-    tensor_parallel_size: PositiveIntOrAuto | None = None
-    long_prefill_token_threshold: PositiveIntOrAuto | None = None
-    max_num_batched_tokens: PositiveIntOrAuto | None = None
+    tensor_parallel_size: ParallelSize | None = None
+    long_prefill_token_threshold: StepTokens | None = None
+    max_num_batched_tokens: StepTokens | None = None
 
 
 class RouterSpec(SpecModel):
@@ -153,40 +231,55 @@ class TopologySpec(SpecModel):
 class AcceleratorSpec(SpecModel):
     """The accelerators of one pod; absent means the engine runs on CPU."""
 
-    resource: str = Field("nvidia.com/gpu", min_length=1)
-    count: int = Field(1, ge=1, le=64)
+    resource: Annotated[
+        str,
+        Field(min_length=1, max_length=128),
+        _rule(
+            lambda name: (
+                re.fullmatch(
+                    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+                    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?",
+                    name,
+                )
+                and "kubernetes.io/" not in name
+            ),
+            "must be an extended resource name such as nvidia.com/gpu: a domain outside "
+            "kubernetes.io, '/', and a name of at most 63 letters, digits, '-', '_' or '.'",
+        ),
+    ] = "nvidia.com/gpu"
+    count: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
     memory_gi_b: float = Field(gt=0, le=4096, alias="memoryGiB")
     peak_tflops: float | None = Field(
-        None, gt=0, description="Dense bf16 TFLOP/s of one accelerator, for tuning."
+        None, gt=0, le=100_000, description="Dense bf16 TFLOP/s of one accelerator, for tuning."
     )
 
 
 class ResourcesSpec(SpecModel):
     """CPU and memory of each engine container (requests; memory is also the limit)."""
 
-    cpu: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?m?$")
-    memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    cpu: _quantity(r"^[0-9]+(\.[0-9]+)?m?$") | None = None
+    memory: _quantity(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$") | None = None
 
 
 class ParallelismSpec(SpecModel):
     """How many accelerators hold one model copy, and how many copies one pod runs."""
 
-    tensor_parallel_size: PositiveIntOrAuto = "auto"
-    data_parallel_size_local: PositiveIntOrAuto = "auto"
+    tensor_parallel_size: ParallelSize = "auto"
+    data_parallel_size_local: ParallelSize = "auto"
 
 
 class SLOSpec(SpecModel):
     """The latency targets that `auto` tunes for."""
 
-    ttft_ms: int = Field(800, ge=1)
-    itl_ms: int = Field(50, ge=1)
+    ttft_ms: int = Field(800, ge=1, le=600_000)
+    itl_ms: int = Field(50, ge=1, le=60_000)
 
 
 class SchedulingSpec(SpecModel):
     """The engine's step budget and cache switches."""
 
-    long_prefill_token_threshold: PositiveIntOrAuto = "auto"
-    max_num_batched_tokens: PositiveIntOrAuto = "auto"
+    long_prefill_token_threshold: StepTokens = "auto"
+    max_num_batched_tokens: StepTokens = "auto"
     max_num_seqs: int = Field(256, ge=1, le=65536)
     enable_prefix_caching: bool = True
     block_size: Literal[16, 32, 64] = 16
@@ -203,23 +296,54 @@ class ServiceSpec(SpecModel):
 class SecretKeyRef(SpecModel):
     """A key of a Secret in the resource's namespace."""
 
-    name: str = Field(min_length=1, max_length=253)
-    key: str = Field(min_length=1, max_length=253)
+    name: DNSSubdomain
+    key: Annotated[
+        str,
+        Field(min_length=1, max_length=253),
+        _rule(
+            lambda key: (
+                re.fullmatch(r"[-._a-zA-Z0-9]+", key) and key != "." and not key.startswith("..")
+            ),
+            "must be a key of a Secret: letters, digits, '-', '_' and '.', neither '.' nor "
+            "starting with '..'",
+        ),
+    ]
 
 
 class AuthSpec(SpecModel):
-    """Who may call the endpoint."""
+    """Who may call the endpoint, and whose cached prefixes a request may reuse."""
 
     api_key_secret_ref: SecretKeyRef | None = None
+    tenant_header: (
+        Annotated[
+            str,
+            Field(min_length=1, max_length=64),
+            _matches(
+                r"[A-Za-z0-9][-A-Za-z0-9]*",
+                "must be an HTTP header name: letters, digits and '-', starting with a letter "
+                "or digit",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class LLMDeploymentSpec(SpecModel):
     """spec of an LLMDeployment."""
 
     model: ModelSpec
-    image: str | None = Field(
-        None, min_length=1, description="Engine image; the operator's default when absent."
-    )
+    image: (
+        Annotated[
+            str,
+            Field(min_length=1, max_length=512),
+            _matches(
+                r"[a-zA-Z0-9][a-zA-Z0-9._/:@-]*",
+                "must be an image reference: letters, digits, '.', '_', '-', '/', ':' and '@', "
+                "starting with a letter or digit",
+            ),
+        ]
+        | None
+    ) = Field(None, description="Engine image; the operator's default when absent.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     topology: TopologySpec = TopologySpec()
     accelerator: AcceleratorSpec | None = None

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+# A message may quote the resource (say, every unknown field of a spec nobody validated):
+# status lives in the same etcd object as that spec, so it must not grow with it.
+MAX_MESSAGE_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ def condition(
 ) -> dict[str, Any]:
     """A condition; its lastTransitionTime moves only when its status does."""
     status = "True" if value else "False"
+    if len(message) > MAX_MESSAGE_CHARS:
+        cut = len(message) - MAX_MESSAGE_CHARS
+        message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
     since = now
     for old in previous:
         if old.get("type") == kind and old.get("status") == status:

@@ -121,13 +121,17 @@ def resource(spec: Any, name: str = "example") -> dict[str, Any]:
 
 
 def _as_sent(value: Any) -> Any:
-    # kubectl turns YAML into JSON through Go's float64: 2.0 arrives as 2, an integer.
+    # kubectl turns YAML into JSON through Go's float64: 2.0 arrives as 2, an integer. The
+    # apiserver reads a number as an int64 when it is one, else as a float64 (convertNumber
+    # in k8s.io/apimachinery/pkg/util/json): 10**30 arrives as 1e+30, a number.
     if isinstance(value, dict):
         return {key: _as_sent(item) for key, item in value.items()}
     if isinstance(value, list):
         return [_as_sent(item) for item in value]
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and -(2**63) <= value < 2**63:
         return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        return float(value)
     return value
 
 

@@ -49,11 +49,6 @@ SKIPPED = {
         "image by digest: the user's choice (spec.image, or the operator's --engine-image; "
         "a digest passes). The renderer passes the reference through unchanged."
     ),
-    "CKV_K8S_35": (
-        "deferred to the hardening issue: TIDEGATE_API_KEY comes from the Secret as an "
-        "environment variable (never in args, the ConfigMap or logs), which the engine's child "
-        "processes inherit; mounting the Secret needs an --api-key-file engine flag."
-    ),
     "CKV_K8S_13": (
         "memory limits: deliberate when spec.resources.memory is unset (accelerator pools): "
         "a guessed limit OOM-kills a pod while it loads weights; the pods request memory, "

@@ -22,6 +22,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.operator.apiserver_validation import apiserver_refusals
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.cli import load_config_file
 from tidegate.operator.manifest import load_llm_deployments
@@ -153,6 +154,7 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
                 f"{obj['kind']} {obj['metadata']['name']} is refused by Kubernetes {version}: "
                 f"{error.message} at {error.json_path}"
             )
+        assert apiserver_refusals(obj) == []
         _accepted.add(key)
 
 
@@ -256,6 +258,8 @@ def test_the_schema_check_refuses_an_unknown_field() -> None:
 # Generated specs: each part is drawn from values the spec allows and tuning accepts, so any
 # refusal is a bug of the renderer or the tuner, not of the strategy.
 DNS_LABELS = st.from_regex(r"[a-z]([-a-z0-9]{0,20}[a-z0-9])?", fullmatch=True)
+# Any text but control characters (Unicode category Cc), which the CRD refuses.
+SERVED_NAMES = st.text(st.characters(exclude_categories=("Cc", "Cs")), min_size=1, max_size=80)
 
 
 @st.composite
@@ -268,12 +272,12 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
         ),
         st.just({"hostPath": {"path": "/models/m"}}),
         st.sampled_from(
-            ["https://h.example/m.tar", "file:///seed/m.tgz", "http://h/a b.tar.gz?x=1&y='2'"]
+            ["https://h.example/m.tar", "file:///seed/m.tgz", "http://h/a%20b.tar.gz?x=1&y='2'"]
         ).map(lambda uri: {"uri": uri}),
     )
     model_part = draw(
         st.fixed_dictionaries(
-            {"name": st.text(min_size=1, max_size=40), "source": sources},
+            {"name": SERVED_NAMES, "source": sources},
             optional={
                 "parameterCount": st.sampled_from([0.5 * TINY, TINY, 7 * TINY, 30 * TINY]),
                 "numAttentionHeads": st.just(32),
@@ -694,7 +698,7 @@ def test_max_model_len_is_left_to_the_model_when_not_given() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.text(min_size=1, max_size=80))
+@given(name=SERVED_NAMES)
 def test_any_served_model_name_survives_the_config_file(name: str) -> None:
     rendered = render_spec({"model": {**model(), "name": name}})
     assert role_config(rendered, "unified")["served-model-name"] == [name]
@@ -841,7 +845,7 @@ def test_host_path_model_is_a_read_only_directory() -> None:
     assert "initContainers" not in pod_spec(find(rendered, "Deployment", "llm"))
 
 
-HOSTILE_URI = "https://models.example/a b.tar?x=1&y='2';rm -rf / #$(id)"
+HOSTILE_URI = "https://models.example/a.tar?x=1&y='2';rm%20-rf%20/;`id`#$(id)|&>x"
 
 
 def test_uri_model_is_fetched_by_an_init_container_without_a_shell() -> None:
@@ -963,24 +967,48 @@ def test_termination_grace_outlasts_the_shutdown_timeout(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["auth-secret", "disaggregated-gpu-uri-auth"])
-def test_api_key_comes_only_from_its_secret(case: str) -> None:
+def test_api_key_is_a_file_from_its_secret_and_nowhere_else(case: str) -> None:
     rendered = render_spec(TABLE[case])
+    mount = {"name": "api-key", "mountPath": "/var/run/secrets/tidegate", "readOnly": True}
+    for deployment in (o for o in rendered.objects if o["kind"] == "Deployment"):
+        spec = pod_spec(deployment)
+        [volume] = [v for v in spec["volumes"] if v["name"] == "api-key"]
+        assert volume["secret"] == {
+            "secretName": "llm-key",
+            "items": [{"key": "secret-value", "path": "api-key"}],
+            "defaultMode": 0o440,
+        }
     for container in all_containers(rendered):
         if container["name"] == "fetch-model":
+            assert mount not in container["volumeMounts"]  # the fetch needs no API key
             continue
-        assert env_named(container, "TIDEGATE_API_KEY") == {
-            "name": "TIDEGATE_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "secret-value"}},
-        }
+        assert mount in container["volumeMounts"]
+        assert env_named(container, "TIDEGATE_API_KEY") is None
         assert not any("api-key" in arg or "api_key" in arg for arg in container["args"])
     for text in config_map(rendered)["data"].values():
-        assert "api-key" not in yaml.safe_load(text)
+        # Each engine and the router read the same file.
+        assert yaml.safe_load(text)["api-key-file"] == "/var/run/secrets/tidegate/api-key"
         assert "llm-key" not in text and "secret-value" not in text
 
 
 def test_no_api_key_without_auth() -> None:
-    for container in all_containers(render_spec(TABLE["disaggregated-cpu"])):
+    rendered = render_spec(TABLE["disaggregated-cpu"])
+    for container in all_containers(rendered):
         assert env_named(container, "TIDEGATE_API_KEY") is None
+        assert all(m["name"] != "api-key" for m in container["volumeMounts"])
+    for text in config_map(rendered)["data"].values():
+        assert "api-key-file" not in yaml.safe_load(text)
+        assert "cache-salt-header" not in yaml.safe_load(text)
+
+
+def test_the_tenant_header_reaches_every_engine_and_the_router() -> None:
+    spec = copy.deepcopy(TABLE["disaggregated-cpu"])
+    spec["auth"] = {"tenantHeader": "X-Tenant-Id"}
+    rendered = render_spec(spec)
+    texts = config_map(rendered)["data"]
+    assert set(texts) == {"prefill.yaml", "decode.yaml", "router.yaml"}
+    for text in texts.values():
+        assert yaml.safe_load(text)["cache-salt-header"] == "x-tenant-id"
 
 
 def test_caches_go_to_the_writable_tmp_volume() -> None:
