@@ -11,26 +11,37 @@ these local substitutions only:
 The public endpoint (`--port`) is the router, or the engine of a one-replica unified pool, or
 a router balancing whole requests over several unified replicas. A process that exits is
 restarted like the kubelet does, after a backoff that doubles; SIGTERM or Ctrl-C stops them
-all, each with its whole process session, so nothing is left behind.
+all, each with its whole process session, so nothing is left behind. Should up itself be
+killed, the kernel sends each pod SIGTERM (on Linux), so nothing is left behind then either.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
+from tidegate.engine.config import API_KEY_ENV
 from tidegate.engine.process import available_cpus
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.render import CONFIG_DIR, Rendered, RenderOptions, render
+from tidegate.operator.render import (
+    API_KEY_FILE,
+    CONFIG_DIR,
+    SECRET_DIR,
+    Rendered,
+    RenderOptions,
+    render,
+)
 from tidegate.operator.spec import SpecError
 
 logger = logging.getLogger("tidegate.up")
@@ -70,7 +81,7 @@ class LocalPod:
         if self.log is not None:
             self.log.close()
         self.log = self.log_path.open("a")  # one log across restarts, as `kubectl logs -p`
-        self.server = LocalServer(self.command, self.port, log=self.log)
+        self.server = LocalServer(stopped_when_up_dies(self.command), self.port, log=self.log)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -81,6 +92,32 @@ class LocalPod:
     def exited(self) -> int | None:
         """The exit code once the process has ended, else None."""
         return None if self.server is None else self.server.process.poll()
+
+
+# Run before a pod's command, in its process: prctl(PR_SET_PDEATHSIG, SIGTERM), which the
+# exec keeps. The kernel sends the signal when the *thread* that started the process ends:
+# the supervisor starts every pod from one thread that lives as long as up does.
+_STOPPED_WHEN_UP_DIES = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):  # up died before the prctl
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def stopped_when_up_dies(command: list[str]) -> list[str]:
+    """`command`, run so that it gets SIGTERM should this process die (Linux; else as is)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-I", "-c", _STOPPED_WHEN_UP_DIES, str(os.getpid()), *command]
+
+
+def container_exit_code(code: int) -> str:
+    """A process's exit status as Kubernetes shows a container's: 128 + N after signal N."""
+    if code >= 0:
+        return str(code)
+    return f"{128 - code} ({signal.Signals(-code).name})"
 
 
 class UpError(Exception):
@@ -95,8 +132,9 @@ def plan_pods(
     config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
     config_dir = workdir / "config"
     config_dir.mkdir(parents=True, exist_ok=True)
+    secret_dir = _local_secrets(rendered, workdir)
     for key, text in config_map["data"].items():
-        (config_dir / key).write_text(text)
+        (config_dir / key).write_text(text.replace(SECRET_DIR, str(secret_dir)))
     deployments = sorted(
         (o for o in rendered.objects if o["kind"] == "Deployment"),
         key=lambda o: START_ORDER.index(o["metadata"]["labels"][ROLE_LABEL]),
@@ -113,6 +151,33 @@ def plan_pods(
             )
     _assign_ports_and_flags(pods, model_dir, port, rendered)
     return pods
+
+
+def _local_secrets(
+    rendered: Rendered, workdir: Path, environ: Mapping[str, str] = os.environ
+) -> Path:
+    """The folder standing for the mounted Secret: the API key from TIDEGATE_API_KEY, if asked."""
+    secret_dir = workdir / "secrets"
+    secrets = [
+        volume["secret"]
+        for o in rendered.objects
+        if o["kind"] == "Deployment"
+        for volume in o["spec"]["template"]["spec"]["volumes"]
+        if "secret" in volume
+    ]
+    if not secrets:
+        return secret_dir
+    key = environ.get(API_KEY_ENV)
+    if not key:
+        raise UpError(
+            f"the endpoint takes its API key from Secret {secrets[0]['secretName']}, which only "
+            f"a cluster has; set {API_KEY_ENV} to the key to use here"
+        )
+    secret_dir.mkdir(mode=0o700, exist_ok=True)
+    path = secret_dir / Path(API_KEY_FILE).name
+    path.touch(mode=0o600)
+    path.write_text(key)
+    return secret_dir
 
 
 def _assign_ports_and_flags(
@@ -194,15 +259,30 @@ class Supervisor:
         self.pods = pods
         self.startup_timeout_s = startup_timeout_s
         self.stopping = threading.Event()
+        self.ready = threading.Event()
         self.error: str | None = None
         # Held while a process is launched: once stop() has it, nothing new starts.
         self._launching = threading.Lock()
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        """start(), set `ready`, watch(); on a thread of its own, which outlives the pods.
+
+        Every pod is started on this thread (their parent-death signal is tied to it), and
+        the thread ends only after stop() has stopped them in order.
+        """
+        try:
+            self.start()
+            self.ready.set()
+            if self.error is None:
+                self.watch()
+        finally:
+            self._stopped.wait()
 
     def start(self) -> None:
         """Start every pod and wait until each is ready (engines before the router).
 
-        Runs on its own thread so that a stop signal is heard meanwhile; a pod that exits or
-        does not become ready sets `error`.
+        A pod that exits or does not become ready sets `error`.
         """
         for pod in self.pods:
             with self._launching:
@@ -226,20 +306,27 @@ class Supervisor:
                     if now - pod.started_at > STABLE_S:
                         pod.backoff_s = BACKOFF_S
                     continue
-                if pod.restart_at is None:
-                    pod.restart_at = now + pod.backoff_s
-                    logger.warning(
-                        "%s (pid %s) exited with code %s; restarting in %.0f s",
-                        pod.name,
-                        pod.pid,
-                        code,
-                        pod.backoff_s,
-                    )
-                    pod.backoff_s = min(pod.backoff_s * 2, MAX_BACKOFF_S)
-                elif now >= pod.restart_at:
-                    pod.restarts += 1
-                    pod.start()
-                    logger.info("%s restarted (pid %s)", pod.name, pod.pid)
+                with self._launching:  # once stop() has had it, no exit is a crash
+                    if self.stopping.is_set():
+                        return
+                    self._restart_after_backoff(pod, code, now)
+
+    def _restart_after_backoff(self, pod: LocalPod, code: int, now: float) -> None:
+        """At its exit, say so and when it restarts; once the backoff has passed, restart."""
+        if pod.restart_at is None:
+            pod.restart_at = now + pod.backoff_s
+            logger.warning(
+                "%s (pid %s) exited with code %s; restarting in %.0f s",
+                pod.name,
+                pod.pid,
+                container_exit_code(code),
+                pod.backoff_s,
+            )
+            pod.backoff_s = min(pod.backoff_s * 2, MAX_BACKOFF_S)
+        elif now >= pod.restart_at:
+            pod.restarts += 1
+            pod.start()
+            logger.info("%s restarted (pid %s)", pod.name, pod.pid)
 
     def stop(self) -> None:
         """Stop the router first, then the engines; each with its whole session."""
@@ -250,6 +337,7 @@ class Supervisor:
                 pod.server.stop(timeout=30.0)
             if pod.log is not None:
                 pod.log.close()
+        self._stopped.set()
 
 
 def table(pods: list[LocalPod]) -> Iterator[str]:
@@ -280,9 +368,9 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
         signal.signal(sig, lambda *_: supervisor.stopping.set())
     name = resource["metadata"]["name"]
     try:
-        starting = threading.Thread(target=supervisor.start, name="up-start", daemon=True)
-        starting.start()
-        while starting.is_alive() and not supervisor.stopping.wait(0.1):
+        # The main thread only waits, so that it hears a stop signal at once.
+        threading.Thread(target=supervisor.run, name="up-supervisor", daemon=True).start()
+        while not supervisor.ready.is_set() and not supervisor.stopping.wait(0.1):
             pass
         if supervisor.stopping.is_set():
             return 0
@@ -291,7 +379,8 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
             return 1
         print("\n".join(table(pods)), flush=True)
         print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
-        supervisor.watch()
+        while not supervisor.stopping.wait(1.0):
+            pass
         return 0
     finally:
         supervisor.stop()

@@ -11,6 +11,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from tidegate.engine.entrypoints.openai.sse import DONE
 from tidegate.engine.router.errors import sse_error_event
 
 logger = logging.getLogger("tidegate.router")
@@ -94,10 +95,13 @@ class RelayResponse(Response):
             logger.warning("%s broke off its response: %r", self.upstream.url, error)
             if not self.is_sse:
                 return "broken"
+            # As an engine ends a stream that fails: an error event, then [DONE], so that a
+            # client sees the same whichever process died.
+            message = f"the decode instance failed mid-stream: {error!r}"
             await send(
                 {
                     "type": "http.response.body",
-                    "body": sse_error_event(f"the decode instance failed mid-stream: {error!r}"),
+                    "body": sse_error_event(message) + DONE.encode(),
                     "more_body": True,
                 }
             )

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import copy
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.up import UpError, plan_pods, resolve_model_dir, warn_about_machine
+from tidegate.operator.up import (
+    UpError,
+    container_exit_code,
+    plan_pods,
+    resolve_model_dir,
+    stopped_when_up_dies,
+    warn_about_machine,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,12 +68,32 @@ def test_several_unified_replicas_get_a_balancing_router(tmp_path: Path) -> None
     assert "--prefill" not in balancer.command
 
 
+def test_the_api_key_secret_is_a_private_local_file_from_the_environment(
+    tmp_path: Path, monkeypatch
+) -> None:
+    resource = copy.deepcopy(example("disaggregated-tiny.yaml"))
+    resource["spec"]["auth"] = {"apiKeySecretRef": {"name": "llm-key", "key": "api-key"}}
+    monkeypatch.delenv("TIDEGATE_API_KEY", raising=False)
+    with pytest.raises(UpError, match="Secret llm-key.*set TIDEGATE_API_KEY"):
+        plan_pods(resource, Path("/m"), 9000, tmp_path)
+    monkeypatch.setenv("TIDEGATE_API_KEY", "sk-local")
+    pods = plan_pods(resource, Path("/m"), 9000, tmp_path)
+    key_file = tmp_path / "secrets" / "api-key"
+    assert key_file.read_text() == "sk-local"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    for pod in pods:
+        config = Path(flag(pod.command, "--config")[0]).read_text()
+        assert f"api-key-file: {key_file}" in config
+        assert "sk-local" not in config and "sk-local" not in " ".join(pod.command)
+
+
 def test_one_unified_replica_serves_the_public_port_itself(tmp_path: Path) -> None:
     [pod] = plan_pods(example("unified-tiny.yaml"), Path("/m"), 9000, tmp_path)
     assert pod.port == 9000
 
 
 def test_accelerator_pods_run_on_cpu_here_with_warnings(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TIDEGATE_API_KEY", "sk-local")  # the example has an API key Secret
     monkeypatch.setattr("tidegate.operator.up._cuda_available", lambda: False)
     monkeypatch.setattr("tidegate.operator.up.available_cpus", lambda: 2)
     pods = plan_pods(example("llama-70b-8gpu.yaml"), Path("/m"), 9000, tmp_path)
@@ -76,3 +109,27 @@ def test_the_model_folder_must_hold_a_model(tmp_path: Path) -> None:
         resolve_model_dir(resource, tmp_path)
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_dir(resource, tmp_path) == tmp_path
+
+
+def test_an_exit_reads_as_kubernetes_shows_a_containers() -> None:
+    assert container_exit_code(0) == "0"
+    assert container_exit_code(1) == "1"
+    assert container_exit_code(-signal.SIGKILL) == "137 (SIGKILL)"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_pod_is_stopped_when_what_started_it_is_gone() -> None:
+    started: list[subprocess.Popen] = []
+
+    def start() -> None:
+        started.append(subprocess.Popen(stopped_when_up_dies(["sleep", "30"])))
+        deadline = time.monotonic() + 10
+        while psutil.Process(started[0].pid).cmdline()[:1] != ["sleep"]:  # set up, exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling with a deadline
+
+    # The signal is tied to the thread that started the process: its end stands for up's.
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    assert started[0].wait(timeout=10) == -signal.SIGTERM
