@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test demo lint format bench bench-throughput bench-startup bench-prefill-stall \
-	bench-shared-prefix bench-disaggregated bench-attention bench-peers clean
+	bench-shared-prefix bench-disaggregated bench-attention bench-compile bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench-shared-prefix: $(STAMP)
 # Producer, consumer and router, one core per engine, against a unified server on one core.
 bench-disaggregated: $(STAMP)
 	$(BIN)/python benchmarks/disaggregated.py
+
+# Offline throughput at compilation levels 0 and 1 (tiny and small models), and start-up
+# times with a cold and a warm compile cache.
+bench-compile: $(STAMP)
+	$(BIN)/python benchmarks/compile.py --out benchmarks/results/compile.json
 
 # CUDA only: the Triton attention kernel against SDPA (correctness first, then timings).
 bench-attention: $(STAMP)

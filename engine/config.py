@@ -100,8 +100,8 @@ class EngineArgs(BaseModel):
     compilation_level: Literal[0, 1, 2] | None = Field(
         None,
         description="0: eager; 1: torch.compile of the model (attention stays eager); 2: also "
-        "CUDA graphs for decode-only steps (CUDA; not supported yet). Default: 1 on CUDA, the "
-        "faster measured level on CPU (0: compiling did not pay there).",
+        "CUDA graphs for decode-only steps (CUDA; not supported yet). Default: 0 until level 1 "
+        "is verified on CUDA and measured faster on CPU (benchmarks/results/compile.json).",
     )
     enforce_eager: bool = Field(
         False, description="Never compile: the same as compilation_level 0 (vLLM's flag)."

@@ -222,6 +222,12 @@ class WorkerReady(msgspec.Struct, tag=True):
     kv_data_port: int = 0
 
 
+class WorkerWarmedUp(msgspec.Struct, tag=True):
+    """A worker allocated its KV cache and warmed up (compiled) its model: it may serve."""
+
+    rank: int
+
+
 class WorkerResult(msgspec.Struct, tag=True):
     """The result of one ExecuteModel (sent by rank 0 only)."""
 
@@ -235,7 +241,7 @@ class WorkerFailure(msgspec.Struct, tag=True):
     error: str
 
 
-WorkerReply = WorkerReady | WorkerResult | WorkerFailure
+WorkerReply = WorkerReady | WorkerWarmedUp | WorkerResult | WorkerFailure
 
 
 # -- KV transfer (disaggregated prefill/decode) ----------------------------------------------

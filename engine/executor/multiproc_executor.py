@@ -25,6 +25,7 @@ from tidegate.engine.core.messages import (
     WorkerReady,
     WorkerReply,
     WorkerResult,
+    WorkerWarmedUp,
 )
 from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
 from tidegate.engine.errors import EngineDeadError
@@ -113,7 +114,7 @@ class MultiprocExecutor(Executor):
                     f"worker tp{rank} (pid {process.pid}) exited with code {process.exitcode}"
                 )
 
-    def _receive(self, rank: int) -> WorkerReady | WorkerResult:
+    def _receive(self, rank: int) -> WorkerReady | WorkerWarmedUp | WorkerResult:
         """The next reply of one worker; a failure or a death raises instead."""
         conn = self._replies[rank]
         while True:
@@ -138,6 +139,10 @@ class MultiprocExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitializeKVCache(num_blocks=num_blocks))
+        # Warm-up (compilation) happens there too: the engine is ready only once all are done.
+        for rank in range(self.world_size):
+            reply = self._receive(rank)
+            assert isinstance(reply, WorkerWarmedUp), reply
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(scheduler_output=scheduler_output))

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
+from tidegate.engine.attention.custom_op import KVCache, attention_context, paged_attention
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.layers import (
     LMHead,
@@ -18,16 +19,13 @@ from tidegate.engine.model.layers import (
 )
 from tidegate.engine.model.rotary import RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block, Hkv, D]
-
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v, RoPE, and keys/values kept in the paged cache."""
 
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # which KV cache is this layer's
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVLinear(
@@ -45,15 +43,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
         )
         self.rotary = rotary  # one cos/sin cache shared by all layers
-        self.backend = backend
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Attend each new token to its sequence's cached and new tokens."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
@@ -61,9 +52,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, self.layer, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -87,52 +76,38 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each with a residual connection."""
 
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend
-    ) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, rotary, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Run one layer; same order of additions as transformers so bf16 rounds alike."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, decoder layers and final norm: the part torch.compile takes whole."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; attention reads its context."""
         hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
         return self.norm(hidden)
 
 
@@ -142,7 +117,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.backend = backend
+        self.model = LlamaModel(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -155,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run a flat batch of T tokens; returns hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        with attention_context(self.backend, kv_caches, meta):
+            return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden that need sampling."""

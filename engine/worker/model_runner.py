@@ -13,6 +13,7 @@ from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, Sche
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
+from tidegate.engine.worker import compilation
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
 from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 
@@ -51,6 +52,13 @@ class ModelRunner:
         self.model, _ = load_model(
             args.model, self.dtype, device, self.attn_backend, config=model_config
         )
+        self.compilation_level = compilation.resolve_compilation_level(args, device)
+        self.compiler = compilation.ModelCompiler()
+        if self.compilation_level >= 1:
+            if args.compile_cache_dir is not None:
+                compilation.use_compile_cache(args.compile_cache_dir)
+            # The decoder stack only: the LM head and the sampler run on few rows.
+            self.compiler.compile(self.model.model)
         self.sampler = Sampler()
         # Key/value heads this rank caches: all, its share, or one replicated head.
         self.num_kv_heads = kv_head_shard(model_config.num_key_value_heads)[1]
@@ -86,6 +94,18 @@ class ModelRunner:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile the model's graphs before the first request; returns the seconds it took."""
+        if self.compilation_level == 0:
+            return 0.0
+        return compilation.warm_up(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            max_num_tokens=len(self.inputs.input_ids),
+            block_size=self.block_size,
+            device=self.device,
+        )
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -60,7 +61,10 @@ class Worker:
             ranks = world_size * args.data_parallel_size_local
             torch.set_num_threads(args.num_threads or max(1, available_cpus() // ranks))
         init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
+        start = time.perf_counter()
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
+        if rank == 0:
+            logger.info("loaded the model in %.1f s", time.perf_counter() - start)
         self.kv_connector: KVConnectorWorker | None = None
         if kv_config is not None:
             self.kv_connector = create_worker_connector(
@@ -73,8 +77,10 @@ class Worker:
         return self.kv_connector.data_port if self.kv_connector is not None else 0
 
     def describe(self) -> str:
-        """Device and dtype, for the startup log line."""
-        return f"{self.device}, {self.runner.dtype}"
+        """Device, dtype and compilation level, for the startup log line."""
+        return (
+            f"{self.device}, {self.runner.dtype}, compilation level {self.runner.compilation_level}"
+        )
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks fit in the memory this worker may give the cache."""
@@ -88,9 +94,18 @@ class Worker:
         return max(1, (budget or DEFAULT_KV_CACHE_MEMORY) // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then warm up (compile) the model before any request."""
         self.runner.initialize_kv_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
+        seconds = self.runner.warm_up()
+        if self.runner.compilation_level > 0 and self.rank == 0:
+            logger.info(
+                "compilation level %d: warm-up compiled %d graph(s) in %.1f s",
+                self.runner.compilation_level,
+                self.runner.compiler.num_graphs,
+                seconds,
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata

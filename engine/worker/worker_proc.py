@@ -20,6 +20,7 @@ from tidegate.engine.core.messages import (
     WorkerReady,
     WorkerReply,
     WorkerResult,
+    WorkerWarmedUp,
 )
 from tidegate.engine.distributed.shm_broadcast import ShmBroadcastReader, ShmQueueHandle
 from tidegate.engine.process import become_child_process
@@ -68,6 +69,7 @@ def run_worker(
                 worker.update_kv_pins(command.pin, command.unpin)
             elif isinstance(command, InitializeKVCache):
                 worker.initialize_kv_cache(command.num_blocks)
+                reply(WorkerWarmedUp(rank=rank))
             elif isinstance(command, ShutdownWorker):
                 break
         reader.close()

@@ -1,0 +1,73 @@
+"""Paged attention as one opaque op, so that torch.compile can take the rest of the model.
+
+The backends read per-step metadata (host copies of sequence lengths, Python loops over
+prefill chunks) that a compiled graph would either specialise on, recompiling every step, or
+fail to trace. So the model calls `paged_attention(q, k, v, layer, scale)`: eagerly it is a
+plain call; under torch.compile it is the custom op `tidegate::paged_attention`, which the
+compiler treats as a black box with a known output shape (piecewise compilation, as vLLM's
+`unified_attention`). The step's metadata, KV caches and backend are not op arguments: the
+model sets them for the duration of one forward with `attention_context(...)`, and the op
+looks them up, so the compiled graph sees only the token-sized q/k/v.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block, Hkv, D]
+
+
+@dataclass
+class _AttentionContext:
+    backend: AttentionBackend
+    kv_caches: list[KVCache]
+    meta: AttentionMetadata
+
+
+_context: _AttentionContext | None = None
+
+
+@contextmanager
+def attention_context(
+    backend: AttentionBackend, kv_caches: list[KVCache], meta: AttentionMetadata
+) -> Iterator[None]:
+    """Make one step's backend, caches and metadata visible to every layer's attention."""
+    global _context
+    previous, _context = _context, _AttentionContext(backend, kv_caches, meta)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """Write this layer's new keys/values to its cache, then attend; [T, H, D] out."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tidegate.paged_attention(query, key, value, layer, scale)
+    return _paged_attention(query, key, value, layer, scale)
+
+
+@torch.library.custom_op("tidegate::paged_attention", mutates_args=())
+def _paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    # The cache write is a side effect the compiler never sees: nothing in the graph reads
+    # the caches, and this op's output (which depends on the write) keeps it from being dropped.
+    if _context is None:
+        raise RuntimeError("paged_attention called outside attention_context(...)")
+    k_cache, v_cache = _context.kv_caches[layer]
+    _context.backend.write_kv(key, value, k_cache, v_cache, _context.meta)
+    return _context.backend.attend(query, k_cache, v_cache, _context.meta, scale)
+
+
+@_paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
+    return torch.empty_like(query)

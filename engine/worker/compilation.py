@@ -1,0 +1,157 @@
+"""Compiled and captured execution: torch.compile of the model, CUDA graphs for decode steps.
+
+Levels (`--compilation-level`, vLLM's numbering):
+
+- 0: eager, as `--enforce-eager`.
+- 1: `torch.compile` (inductor) of `LlamaModel`: embedding, every decoder layer and the final
+  norm in one graph. Attention stays outside it as an opaque op (attention/custom_op.py), so
+  paged attention keeps its per-step metadata. The token dimension is dynamic: one graph
+  serves every batch of two or more tokens, and a second one the single-token batch (torch
+  specialises sizes 0 and 1), so batch-size changes never recompile beyond those two.
+- 2: level 1 plus CUDA graphs for decode-only steps (CUDA only). Not built yet: the pure
+  parts (which sizes to capture, which to pad a batch to) are here; asking for level 2 is a
+  clear error rather than a silent downgrade.
+
+Compiled artifacts are cached by inductor on disk (its FX graph and AOT autograd caches);
+`--compile-cache-dir` points them at a directory that survives restarts (a volume in a pod),
+which turns the second start's compilation into cache loads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# What an unset level means. On CPU, level 1 has not been shown faster than eager on the
+# throughput benchmark (benchmarks/results/compile.json; so far measured only on a shared,
+# loaded 2-core machine, where run-to-run noise exceeded any difference), and it adds
+# seconds of compilation to every cold start: eager until a clean measurement says otherwise.
+CPU_DEFAULT_LEVEL = 0
+# Level 1 has not yet run on a GPU (Triton attention inside a compiled model): eager until a
+# device check shows it token-identical, then 2 once CUDA graph capture lands.
+CUDA_DEFAULT_LEVEL = 0
+
+
+def resolve_compilation_level(args: EngineArgs, device: torch.device) -> int:
+    """The level this worker runs at: the explicit one, or the device's default."""
+    if args.enforce_eager:
+        return 0
+    if args.compilation_level is not None:
+        level = args.compilation_level
+    else:
+        level = CUDA_DEFAULT_LEVEL if device.type == "cuda" else CPU_DEFAULT_LEVEL
+    if level == 2:
+        raise ValueError(
+            "compilation_level 2 (CUDA graphs for decode) is not supported yet; "
+            "use 1 (torch.compile) or 0 (eager)"
+        )
+    return level
+
+
+def use_compile_cache(directory: str) -> None:
+    """Keep inductor's compiled artifacts (and Triton's kernels) under `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    # Read by inductor and Triton each time they look up the cache, so setting them before
+    # the first compile is enough.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(os.path.abspath(directory), "triton")
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+
+
+class ModelCompiler:
+    """Compiles a module in place with inductor and counts the graphs it compiles."""
+
+    def __init__(self) -> None:
+        # Every call of the backend is one graph compiled (a first compile or a recompile).
+        self.num_graphs = 0
+
+    def compile(self, module: nn.Module) -> None:
+        """torch.compile `module`'s forward with a dynamic token dimension."""
+        module.compile(backend=self._backend, dynamic=True)
+
+    def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(graph, example_inputs)
+        # Counted once compiled: dynamo may abandon an attempt and trace again (it does so to
+        # specialise a Python float such as the softmax scale), which is not a second graph.
+        self.num_graphs += 1
+        return compiled
+
+
+def warm_up(
+    run: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], object],
+    max_num_tokens: int,
+    block_size: int,
+    device: torch.device,
+) -> float:
+    """Run the model on the shapes that compile its graphs; returns the seconds it took.
+
+    Two steps: one sequence of several tokens (the dynamic graph) and one single-token decode
+    (the size-1 specialisation). They write no KV (every slot is -1) and read only block 0.
+    """
+    start = time.perf_counter()
+    for num_tokens in (min(max_num_tokens, 2 * block_size), 1):
+        run(*dummy_step(num_tokens, block_size, device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def dummy_step(
+    num_tokens: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Input ids, positions and metadata of one fresh sequence of `num_tokens` tokens."""
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    num_blocks = -(-num_tokens // block_size)
+    meta = AttentionMetadata(
+        query_start_loc=qsl.to(device),
+        seq_lens=seq_lens.to(device),
+        block_table=torch.zeros((1, num_blocks), dtype=torch.int32, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        num_seqs=1,
+        num_tokens=num_tokens,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    return input_ids, positions, meta
+
+
+# -- CUDA graphs for decode-only steps (level 2): which sizes, and padding up to one ----------
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture, as vLLM's: 1, 2, 4, then every multiple of 8 up to the cap."""
+    sizes = [n for n in (1, 2, 4) if n <= max_num_seqs]
+    sizes += range(8, max_num_seqs + 1, 8)
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def padded_size(num_tokens: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding `num_tokens`; None when the batch is too big."""
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_decode_only(num_scheduled_tokens: list[int]) -> bool:
+    """A step every request of which computes exactly one token (what graphs are captured for)."""
+    return bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens)

@@ -1,0 +1,148 @@
+"""Compiled execution: level 1 gives eager's greedy tokens, and batch changes don't recompile."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tidegate.engine import LLM, SamplingParams
+from tidegate.engine.config import EngineArgs
+from tidegate.engine.worker.compilation import (
+    capture_sizes,
+    is_decode_only,
+    padded_size,
+    resolve_compilation_level,
+)
+
+# Small steps force chunked prompts and steps that mix prefill chunks with decodes.
+ENGINE = dict(
+    dtype="float32",
+    num_gpu_blocks=256,
+    max_num_batched_tokens=48,
+    long_prefill_token_threshold=24,
+    max_num_partial_prefills=2,
+    enable_prefix_caching=True,
+)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 900) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def compile_cache_dir(tmp_path_factory):
+    """One inductor cache for the module; the environment it sets is restored afterwards."""
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    yield str(tmp_path_factory.mktemp("compile-cache"))
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def engines(request, compile_cache_dir) -> tuple[LLM, LLM]:
+    """(eager, compiled) engines on the same tiny model."""
+    model = request.getfixturevalue(f"tiny_{request.param}_dir")
+    eager = LLM(model=str(model), compilation_level=0, **ENGINE)
+    compiled = LLM(
+        model=str(model), compilation_level=1, compile_cache_dir=compile_cache_dir, **ENGINE
+    )
+    return eager, compiled
+
+
+def runner(llm: LLM):
+    return llm.engine.executor.worker.runner
+
+
+@pytest.mark.slow
+def test_compiled_greedy_tokens_equal_eager_with_chunks_mixed_steps_and_prefix_hits(engines):
+    eager, compiled = engines
+    assert runner(compiled).compilation_level == 1
+    warmed_up = runner(compiled).compiler.num_graphs
+    assert 1 <= warmed_up <= 2  # compiled at start-up, before any request
+    prefix = tokens(1, 40)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # Prompts of 1 to ~100 tokens: long ones are chunked while short ones already decode.
+    rounds = [
+        [tokens(10 + i, 1 + 23 * i) for i in range(5)],
+        [[*prefix, *tokens(20 + i, 3 + i)] for i in range(4)],  # the first fills the cache
+        [[*prefix, *tokens(30 + i, 9)] for i in range(3)],  # prefix hits
+    ]
+    for prompts in rounds:
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+        assert got == want
+    assert compiled.stats()["prefix_cache_hits"] >= 3 * len(prefix)
+    # No request compiled anything new.
+    assert runner(compiled).compiler.num_graphs == warmed_up
+
+
+@pytest.mark.slow
+def test_batch_size_changes_do_not_recompile(engines):
+    _, compiled = engines
+    warmed_up = runner(compiled).compiler.num_graphs
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    # 1 to 9 requests of assorted lengths: steps of every token count from 1 to 48.
+    for n in range(1, 10):
+        compiled.generate([tokens(100 * n + i, 1 + 5 * i) for i in range(n)], params)
+    assert runner(compiled).compiler.num_graphs == warmed_up
+
+
+def test_enforce_eager_is_level_0_and_contradictions_are_refused(tiny_llama_dir):
+    cpu = torch.device("cpu")
+    assert resolve_compilation_level(EngineArgs(model="m", enforce_eager=True), cpu) == 0
+    assert resolve_compilation_level(EngineArgs(model="m", compilation_level=1), cpu) == 1
+    with pytest.raises(ValidationError, match="enforce_eager contradicts compilation_level 1"):
+        EngineArgs(model="m", enforce_eager=True, compilation_level=1)
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=512)
+    assert runner(llm).compilation_level == 0
+    assert runner(llm).compiler.num_graphs == 0
+
+
+def test_level_2_is_refused_with_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"compilation_level 2 .* not supported yet"):
+        LLM(model=str(tiny_llama_dir), compilation_level=2, max_model_len=512)
+
+
+def test_capture_sizes_follow_vllm_and_end_at_the_batch_cap():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_a_batch_is_padded_to_the_next_captured_size():
+    sizes = capture_sizes(32)
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 31, 32)] == [
+        1, 2, 4, 4, 8, 8, 16, 32, 32,
+    ]  # fmt: skip
+    assert padded_size(33, sizes) is None  # too big: runs without a graph
+
+
+def test_only_steps_of_single_token_requests_are_decode_only():
+    assert is_decode_only([1, 1, 1])
+    assert not is_decode_only([1, 5, 1])
+    assert not is_decode_only([])
+
+
+def test_the_flags_are_on_the_command_line():
+    import argparse
+
+    from tidegate.engine.entrypoints.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(
+        parser.parse_args(["--model", "m", "--compilation-level", "1", "--compile-cache-dir", "c"])
+    )
+    assert (args.compilation_level, args.compile_cache_dir) == (1, "c")
+    assert engine_args_from(parser.parse_args(["--model", "m", "--enforce-eager"])).enforce_eager
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--compilation-level", "3"])
