@@ -74,7 +74,7 @@ def test_the_api_key_secret_is_a_private_local_file_from_the_environment(
     resource = copy.deepcopy(example("disaggregated-tiny.yaml"))
     resource["spec"]["auth"] = {"apiKeySecretRef": {"name": "llm-key", "key": "api-key"}}
     monkeypatch.delenv("TIDEGATE_API_KEY", raising=False)
-    with pytest.raises(UpError, match="Secret llm-key.*set TIDEGATE_API_KEY"):
+    with pytest.raises(UpError, match=r"Secret llm-key.*set TIDEGATE_API_KEY"):
         plan_pods(resource, Path("/m"), 9000, tmp_path)
     monkeypatch.setenv("TIDEGATE_API_KEY", "sk-local")
     pods = plan_pods(resource, Path("/m"), 9000, tmp_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,6 +18,14 @@ from tidegate.engine.entrypoints.openai.errors import to_openai_error
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+# JSON leaves these unescaped, yet str.splitlines() ends a line at each, and so do clients
+# built on it (httpx's aiter_lines, requests' iter_lines with decode_unicode): a generated
+# U+2028 would cut an event in two. Escaped, they read the same and the event stays one line.
+_UNICODE_LINE_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def _escape_line_break(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
@@ -25,7 +34,7 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
         text = payload.model_dump_json()
     else:
         text = json.dumps(payload, ensure_ascii=False)
-    return f"data: {text}\n\n"
+    return f"data: {_UNICODE_LINE_BREAKS.sub(_escape_line_break, text)}\n\n"
 
 
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
