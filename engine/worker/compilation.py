@@ -33,10 +33,10 @@ from tidegate.engine.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
-# What an unset level means. On CPU, level 1 has not been shown faster than eager on the
-# throughput benchmark (benchmarks/results/compile.json; so far measured only on a shared,
-# loaded 2-core machine, where run-to-run noise exceeded any difference), and it adds
-# seconds of compilation to every cold start: eager until a clean measurement says otherwise.
+# What an unset level means. On CPU, level 1 was 1.05x eager on the tiny model and 1.08x on
+# the small one (benchmarks/results/compile.json, median of 3 on a quiet 2-core machine),
+# within the spread of eager's own runs, and it costs 20-35 s of compilation on a cold start
+# (6-11 s with a warm --compile-cache-dir): eager until the gain is clearer than the noise.
 CPU_DEFAULT_LEVEL = 0
 # Level 1 has not yet run on a GPU (Triton attention inside a compiled model): eager until a
 # device check shows it token-identical, then 2 once CUDA graph capture lands.

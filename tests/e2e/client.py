@@ -37,6 +37,22 @@ def wait_for(condition, deadline_s: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_idle(base_url: str, deadline_s: float = 15) -> None:
+    """Poll until nothing runs, nothing waits and every KV block is free.
+
+    Blocks that keep a cached prefix but belong to no request count as free.
+    """
+    wait_for(
+        lambda: (
+            metric(base_url, "tidegate:num_requests_running") == 0
+            and metric(base_url, "tidegate:num_requests_waiting") == 0
+            and metric(base_url, "tidegate:kv_cache_usage_perc") == 0
+        ),
+        deadline_s,
+        "the engine to go idle with every KV block free",
+    )
+
+
 class EventStream:
     """The SSE events of one streaming response, read incrementally."""
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.e2e.client import HEADERS, metric, wait_for
+from tests.e2e.client import HEADERS, wait_idle
 from tests.e2e.conftest import SERVED_NAME
 from tests.engine.entrypoints.request_fuzz import (
     CHAT,
@@ -42,14 +42,7 @@ def client(server):
         yield client
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert "Traceback" not in server.log()[log_before:]
-    wait_for(
-        lambda: (
-            metric(server.base_url, "tidegate:num_requests_running") == 0
-            and metric(server.base_url, "tidegate:kv_cache_usage_perc") == 0
-        ),
-        10,
-        "every request to finish and free its blocks",
-    )
+    wait_idle(server.base_url)
 
 
 def test_every_edge_value_gets_a_2xx_or_an_openai_4xx(client):

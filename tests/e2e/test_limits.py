@@ -8,24 +8,11 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.client import HEADERS, EventStream, metric, open_stream, wait_for
+from tests.e2e.client import HEADERS, EventStream, metric, open_stream, wait_idle
 from tests.e2e.conftest import SERVED_NAME
 from tests.e2e.test_faults import start_server
 
 pytestmark = pytest.mark.slow
-
-
-def assert_nothing_left(base_url: str) -> None:
-    """No request running or waiting, and every KV block free again."""
-    wait_for(
-        lambda: (
-            metric(base_url, "tidegate:num_requests_running") == 0
-            and metric(base_url, "tidegate:num_requests_waiting") == 0
-            and metric(base_url, "tidegate:kv_cache_usage_perc") == 0
-        ),
-        15,
-        "every request to end and every KV block to be free",
-    )
 
 
 def completion(max_tokens: int, **extra) -> dict:
@@ -71,7 +58,7 @@ def test_a_burst_past_the_queue_is_refused_at_once_and_the_admitted_all_finish(
                 assert response.json()["usage"]["completion_tokens"] == 64
         # At once: every refusal came back before any admitted request had finished.
         assert max(refused) < min(done)
-        assert_nothing_left(server.base_url)
+        wait_idle(server.base_url)
     finally:
         server.stop()
 
@@ -103,7 +90,7 @@ def test_a_request_past_the_timeout_is_aborted_and_its_blocks_freed(tiny_llama_d
         assert stream.done
         assert short.status_code == 200
         assert timeout_s <= elapsed < 30
-        assert_nothing_left(server.base_url)
+        wait_idle(server.base_url)
         aborted = metric(server.base_url, "tidegate:request_success_total", finished_reason="abort")
         assert aborted == 2
     finally:

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.client import HEADERS, EventStream, metric, wait_for
+from tests.e2e.client import HEADERS, EventStream, metric, wait_idle
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
 from tidegate.engine.tokenizer import Tokenizer
@@ -364,19 +364,6 @@ def cached_tokens(base_url: str, prompt: list[int]) -> int:
 def rss(server: ServerProcess) -> dict[str, int]:
     processes = {"tidegate::api": psutil.Process(server.process.pid), **server.children()}
     return {title: process.memory_info().rss for title, process in processes.items()}
-
-
-def wait_idle(base_url: str) -> None:
-    """Nothing runs, nothing waits, every KV block is free (cached prefixes count as free)."""
-    wait_for(
-        lambda: (
-            metric(base_url, "tidegate:num_requests_running") == 0
-            and metric(base_url, "tidegate:num_requests_waiting") == 0
-            and metric(base_url, "tidegate:kv_cache_usage_perc") == 0
-        ),
-        15,
-        "the engine to go idle with every KV block free",
-    )
 
 
 @pytest.fixture
