@@ -62,7 +62,7 @@ bench-disaggregated: $(STAMP)
 # Offline throughput at compilation levels 0 and 1 (tiny and small models), and start-up
 # times with a cold and a warm compile cache.
 bench-compile: $(STAMP)
-	$(BIN)/python benchmarks/compile.py --out benchmarks/results/compile.json
+	$(BIN)/python benchmarks/compile.py --repeats 5 --out benchmarks/results/compile.json
 
 # CUDA only: the Triton attention kernel against SDPA (correctness first, then timings).
 bench-attention: $(STAMP)
@@ -76,7 +76,7 @@ bench: bench-prefill-stall bench-shared-prefix bench-disaggregated bench-through
 # then the scenarios that compare against them.
 bench-peers: $(STAMP)
 	bash benchmarks/peers/setup_vllm.sh
-	$(BIN)/python benchmarks/offline_throughput.py --with-vllm \
+	$(BIN)/python benchmarks/offline_throughput.py --with-vllm --compiled \
 		--out benchmarks/results/offline_throughput.json
 	$(BIN)/python benchmarks/serving_vs_vllm.py
 

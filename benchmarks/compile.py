@@ -114,6 +114,11 @@ def main() -> None:
                 "eager_output_tokens_per_s": eager,
                 "level1_output_tokens_per_s": compiled,
                 "level1_over_eager": round(compiled / eager, 3),
+                # Runs alternate, so run i of each level saw much the same machine.
+                "pairs_level1_faster": sum(
+                    one["output_tokens_per_s"] > zero["output_tokens_per_s"]
+                    for zero, one in zip(runs[0], runs[1], strict=True)
+                ),
                 "eager_startup_s": statistics.median(r["startup_s"] for r in runs[0]),
                 "level1_startup_s_cold_cache": cold,
                 "level1_startup_s_warm_cache": statistics.median(warm) if warm else None,

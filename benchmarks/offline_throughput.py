@@ -1,7 +1,9 @@
 """Offline throughput: Tidegate's LLM.generate next to transformers' generate, in one run.
 
 Same model folder, same prompts (random token ids, fixed seed), same dtype and thread count;
-greedy, EOS ignored so both produce exactly the same number of tokens. Writes a JSON record.
+greedy, EOS ignored so both produce exactly the same number of tokens. Tidegate runs eager
+(compilation level 0); `--compiled` adds a run at level 1, `--with-vllm` vLLM's CPU build.
+Writes a JSON record.
 
     python benchmarks/offline_throughput.py --out benchmarks/results/offline_throughput.json
 """
@@ -31,10 +33,13 @@ def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -
     return [[rng.randrange(6, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_tidegate(model_dir: Path, prompts, output_len: int, dtype: str) -> dict:
+def run_tidegate(
+    model_dir: Path, prompts, output_len: int, dtype: str, level: int | None = None
+) -> dict:
     from tidegate.engine import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype=dtype)
+    # Start-up (and with it compilation, at level 1) is not timed.
+    llm = LLM(model=str(model_dir), dtype=dtype, compilation_level=level)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # Warm up on reversed prompts: the same shapes, but nothing the prefix cache could reuse.
     llm.generate([p[::-1] for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4))
@@ -129,6 +134,11 @@ def main() -> None:
     parser.add_argument(
         "--with-vllm", action="store_true", help="also run vLLM-CPU (set up by make bench-peers)"
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also run Tidegate at compilation level 1 (torch.compile) beside eager",
+    )
     parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
     args = parser.parse_args()
     if args.with_vllm and not PEER_ENV.is_file():
@@ -143,9 +153,15 @@ def main() -> None:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             prompts = make_prompts(min(vocab, 4000), args.num_prompts, args.input_len, args.seed)
             # Alternate the two engines so that drift on a shared machine hits both alike.
-            runs_ours, runs_theirs = [], []
+            runs_ours, runs_compiled, runs_theirs = [], [], []
             for _ in range(args.repeats):
-                runs_ours.append(run_tidegate(model_dir, prompts, args.output_len, args.dtype))
+                runs_ours.append(
+                    run_tidegate(model_dir, prompts, args.output_len, args.dtype, level=0)
+                )
+                if args.compiled:
+                    runs_compiled.append(
+                        run_tidegate(model_dir, prompts, args.output_len, args.dtype, level=1)
+                    )
                 runs_theirs.append(
                     run_transformers(model_dir, prompts, args.output_len, args.dtype)
                 )
@@ -163,9 +179,19 @@ def main() -> None:
                 "speedup_output_tokens": ours["output_tokens_per_s"]
                 / theirs["output_tokens_per_s"],
             }
+            if args.compiled:
+                compiled = median_run(runs_compiled)
+                row["tidegate_level1"] = compiled
+                row["level1_over_eager"] = (
+                    compiled["output_tokens_per_s"] / ours["output_tokens_per_s"]
+                )
             if args.with_vllm:
                 row["vllm_cpu"] = vllm_run
                 row["ratio_to_vllm"] = ours["output_tokens_per_s"] / vllm_run["output_tokens_per_s"]
+                if args.compiled:
+                    row["level1_ratio_to_vllm"] = (
+                        compiled["output_tokens_per_s"] / vllm_run["output_tokens_per_s"]
+                    )
             print(json.dumps(row, indent=2))
             results.append(row)
 
@@ -201,12 +227,18 @@ def plot_results(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = [("tidegate", "Tidegate"), ("transformers", "transformers"), ("vllm_cpu", "vLLM-CPU")]
+    engines = [
+        ("tidegate", "Tidegate eager"),
+        ("tidegate_level1", "Tidegate L1"),
+        ("transformers", "transformers"),
+        ("vllm_cpu", "vLLM-CPU"),
+    ]
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.2), squeeze=False)
     for ax, row in zip(axes[0], results, strict=True):
         names = [label for key, label in engines if key in row]
         values = [row[key]["output_tokens_per_s"] for key, _ in engines if key in row]
-        bars = ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(names)])
+        colors = {"Tidegate eager": "tab:blue", "Tidegate L1": "tab:cyan", "vLLM-CPU": "tab:orange"}
+        bars = ax.bar(names, values, color=[colors.get(name, "tab:gray") for name in names])
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_title(f"{row['size']} model", fontsize=9)
         ax.set_ylabel("output tokens/s")
@@ -225,14 +257,20 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
         if "vllm_cpu" in row:
             vllm_cell = round(row["vllm_cpu"]["output_tokens_per_s"], 1)
             ratio = round(row["ratio_to_vllm"], 2)
+        level1 = level1_ratio = "not run (--compiled)"
+        if "tidegate_level1" in row:
+            level1 = round(row["tidegate_level1"]["output_tokens_per_s"], 1)
+            level1_ratio = round(row["level1_ratio_to_vllm"], 2) if "vllm_cpu" in row else ratio
         rows.append(
             [
                 row["size"],
                 round(row["tidegate"]["output_tokens_per_s"], 1),
+                level1,
                 round(row["transformers"]["output_tokens_per_s"], 1),
                 vllm_cell,
                 round(row["speedup_output_tokens"], 2),
                 ratio,
+                level1_ratio,
             ]
         )
     update_readme(
@@ -243,11 +281,13 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
         + table(
             [
                 "model",
-                "Tidegate tok/s",
+                "Tidegate eager tok/s",
+                "Tidegate level 1 tok/s",
                 "transformers tok/s",
                 "vLLM-CPU tok/s",
-                "Tidegate / transformers",
-                "Tidegate / vLLM",
+                "eager / transformers",
+                "eager / vLLM",
+                "level 1 / vLLM",
             ],
             rows,
         )

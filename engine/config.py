@@ -99,9 +99,10 @@ class EngineArgs(BaseModel):
     )
     compilation_level: Literal[0, 1, 2] | None = Field(
         None,
-        description="0: eager; 1: torch.compile of the model (attention stays eager); 2: also "
-        "CUDA graphs for decode-only steps (CUDA; not supported yet). Default: 0 until level 1 "
-        "is verified on CUDA and measured faster on CPU (benchmarks/results/compile.json).",
+        description="0: eager; 1: torch.compile of the model (attention stays outside the "
+        "graph); 2: level 1 plus CUDA graphs for decode-only steps (CUDA, with the triton "
+        "attention backend). Default: 2 on CUDA (1 with the torch backend), 0 on CPU, where "
+        "level 1 is not clearly faster (benchmarks/results/compile.json).",
     )
     enforce_eager: bool = Field(
         False, description="Never compile: the same as compilation_level 0 (vLLM's flag)."

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tidegate.engine.tiny_model import make_tiny_model
+
+# Engines the tests start (here and in the servers they spawn) run eager unless a test asks
+# for a level: compiling each one would cost the suite 6-35 s per engine. The compiled paths
+# have their own tests (tests/engine/test_compilation.py, test_cuda_graphs.py).
+os.environ.setdefault("TIDEGATE_COMPILATION_LEVEL", "0")
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """What every backend (torch, triton) provides; the model calls only these two."""
+    """What every backend (torch, triton) provides; the model calls only these two.
+
+    `cuda_graph_safe`: during a step the backend reads only device tensors of the metadata
+    (never its host copies or a device value synced to the host), so a CUDA graph captured
+    with one metadata object stays right when the buffers behind it change.
+    """
+
+    name: str
+    cuda_graph_safe: bool
 
     def write_kv(
         self,

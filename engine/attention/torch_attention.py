@@ -17,6 +17,8 @@ class TorchAttentionBackend:
     """Paged attention for mixed prefill/decode batches with PyTorch ops only."""
 
     name = "torch"
+    # Loops over the host copies of the metadata, and syncs to skip padding slots.
+    cuda_graph_safe = False
 
     def write_kv(
         self,

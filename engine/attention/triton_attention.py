@@ -37,6 +37,9 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels: one launch per layer for any mix of sequences."""
 
     name = "triton"
+    # Launch shapes come from host ints fixed at capture (num_seqs, max_query_len,
+    # max_seq_len); everything per-sequence is read on the device.
+    cuda_graph_safe = True
 
     def write_kv(
         self,

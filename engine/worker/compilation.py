@@ -8,9 +8,8 @@ Levels (`--compilation-level`, vLLM's numbering):
   paged attention keeps its per-step metadata. The token dimension is dynamic: one graph
   serves every batch of two or more tokens, and a second one the single-token batch (torch
   specialises sizes 0 and 1), so batch-size changes never recompile beyond those two.
-- 2: level 1 plus CUDA graphs for decode-only steps (CUDA only). Not built yet: the pure
-  parts (which sizes to capture, which to pad a batch to) are here; asking for level 2 is a
-  clear error rather than a silent downgrade.
+- 2: level 1 plus CUDA graphs for decode-only steps (cuda_graphs.py), on CUDA with an
+  attention backend that reads no host copies of the step's metadata (Triton).
 
 Compiled artifacts are cached by inductor on disk (its FX graph and AOT autograd caches);
 `--compile-cache-dir` points them at a directory that survives restarts (a volume in a pod),
@@ -23,7 +22,7 @@ import bisect
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -33,30 +32,57 @@ from tidegate.engine.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
-# What an unset level means. On CPU, level 1 was 1.05x eager on the tiny model and 1.08x on
-# the small one (benchmarks/results/compile.json, median of 3 on a quiet 2-core machine),
-# within the spread of eager's own runs, and it costs 20-35 s of compilation on a cold start
-# (6-11 s with a warm --compile-cache-dir): eager until the gain is clearer than the noise.
-CPU_DEFAULT_LEVEL = 0
-# Level 1 has not yet run on a GPU (Triton attention inside a compiled model): eager until a
-# device check shows it token-identical, then 2 once CUDA graph capture lands.
-CUDA_DEFAULT_LEVEL = 0
+# What an unset level means. On CPU, level 1 beat eager in 9 of 10 paired runs of
+# `make bench-compile` (fresh processes, alternating): median 1.19x on the tiny model, 1.09x on
+# the small one (benchmarks/results/compile.json). It costs compilation at start-up: 20-35 s
+# on a cold cache, 6-11 s with a warm one (--compile-cache-dir; inductor's default is /tmp).
+CPU_DEFAULT_LEVEL = 1
+# On CUDA, graphs for decode (vLLM's default too); level 1 where the backend can't be captured.
+CUDA_DEFAULT_LEVEL = 2
+# The level when no flag gives one: for jobs too short to win back a compile (test suites).
+LEVEL_ENV = "TIDEGATE_COMPILATION_LEVEL"
+# Decode batches above this run without graphs (vLLM's default largest capture size too).
+MAX_CAPTURE_SIZE = 512
 
 
-def resolve_compilation_level(args: EngineArgs, device: torch.device) -> int:
-    """The level this worker runs at: the explicit one, or the device's default."""
+def resolve_compilation_level(
+    args: EngineArgs,
+    device: torch.device,
+    cuda_graph_safe: bool = False,
+    environ: Mapping[str, str] = os.environ,
+) -> int:
+    """The level this worker runs at: the flag, else $TIDEGATE_COMPILATION_LEVEL, else the
+    device's default.
+
+    `cuda_graph_safe`: whether the attention backend can be captured in a CUDA graph.
+    """
     if args.enforce_eager:
         return 0
-    if args.compilation_level is not None:
-        level = args.compilation_level
-    else:
-        level = CUDA_DEFAULT_LEVEL if device.type == "cuda" else CPU_DEFAULT_LEVEL
-    if level == 2:
+    level = args.compilation_level
+    if level is None and environ.get(LEVEL_ENV, "") != "":
+        level = _level_from_env(environ[LEVEL_ENV])
+    if level is None:
+        if device.type != "cuda":
+            return CPU_DEFAULT_LEVEL
+        return CUDA_DEFAULT_LEVEL if cuda_graph_safe else 1
+    if level == 2 and device.type != "cuda":
         raise ValueError(
-            "compilation_level 2 (CUDA graphs for decode) is not supported yet; "
-            "use 1 (torch.compile) or 0 (eager)"
+            f"compilation_level 2 captures CUDA graphs and needs a CUDA device (the model is "
+            f"on {device.type}); use 1 (torch.compile) or 0 (eager)"
+        )
+    if level == 2 and not cuda_graph_safe:
+        raise ValueError(
+            f"compilation_level 2 cannot capture the {args.attention_backend!r} attention "
+            "backend, which reads host copies of each step's metadata; use "
+            "--attention-backend triton, or compilation_level 1"
         )
     return level
+
+
+def _level_from_env(value: str) -> int:
+    if value.strip() not in ("0", "1", "2"):
+        raise ValueError(f"{LEVEL_ENV}={value!r} is not a compilation level: give 0, 1 or 2")
+    return int(value)
 
 
 def use_compile_cache(directory: str) -> None:
@@ -138,7 +164,11 @@ def dummy_step(
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture, as vLLM's: 1, 2, 4, then every multiple of 8 up to the cap."""
+    """Batch sizes to capture, as vLLM's: 1, 2, 4, then every multiple of 8 up to the cap.
+
+    The cap is the most sequences a step may hold, at most MAX_CAPTURE_SIZE.
+    """
+    max_num_seqs = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [n for n in (1, 2, 4) if n <= max_num_seqs]
     sizes += range(8, max_num_seqs + 1, 8)
     if sizes[-1] != max_num_seqs:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from tidegate.engine.attention import get_attention_backend
+from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.worker import compilation
+from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
 from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 
@@ -52,7 +53,9 @@ class ModelRunner:
         self.model, _ = load_model(
             args.model, self.dtype, device, self.attn_backend, config=model_config
         )
-        self.compilation_level = compilation.resolve_compilation_level(args, device)
+        self.compilation_level = compilation.resolve_compilation_level(
+            args, device, self.attn_backend.cuda_graph_safe
+        )
         self.compiler = compilation.ModelCompiler()
         if self.compilation_level >= 1:
             if args.compile_cache_dir is not None:
@@ -72,6 +75,7 @@ class ModelRunner:
             block_size=args.block_size,
             device=device,
         )
+        self.decode_graphs: DecodeGraphs | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -95,17 +99,41 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
 
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile the model's graphs before the first request; returns the seconds it took."""
         if self.compilation_level == 0:
             return 0.0
         return compilation.warm_up(
-            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            self._forward,
             max_num_tokens=len(self.inputs.input_ids),
             block_size=self.block_size,
             device=self.device,
         )
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, new_graph: Callable[[], Graph] | None = None) -> float:
+        """Capture the decode-only steps (level 2); returns the seconds it took.
+
+        `new_graph` makes the graphs: CUDA graphs sharing one pool unless given (tests on CPU
+        give a stand-in that replays by calling again).
+        """
+        if new_graph is None:
+            new_graph = cuda_graph_factory(self.device)
+        capacity = min(self.args.max_num_seqs, len(self.inputs.input_ids))
+        self.decode_graphs = DecodeGraphs(
+            sizes=compilation.capture_sizes(capacity),
+            max_blocks_per_seq=self.inputs.block_table.shape[1],
+            max_seq_len=self.max_model_len,
+            device=self.device,
+            new_graph=new_graph,
+        )
+        return self.decode_graphs.capture(self._forward)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -146,8 +174,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[req_id] for req_id in req_ids]
-        step = self.inputs.build(states, list(so.num_scheduled_tokens.values()))
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        num_scheduled = list(so.num_scheduled_tokens.values())
+        step = self.inputs.build(states, num_scheduled)
+        size = self.decode_graphs.size_for(num_scheduled) if self.decode_graphs else None
+        if size is not None:
+            hidden = self.decode_graphs.run(step, size)
+        else:
+            hidden = self._forward(step.input_ids, step.positions, step.attn_metadata)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if step.sampling_rows:

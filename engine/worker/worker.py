@@ -106,6 +106,17 @@ class Worker:
                 self.runner.compiler.num_graphs,
                 seconds,
             )
+        if self.runner.compilation_level == 2:
+            seconds = self.runner.capture_decode_graphs()
+            sizes = self.runner.decode_graphs.sizes
+            if self.rank == 0:
+                logger.info(
+                    "captured %d CUDA graph(s) for decode batches of %d to %d in %.1f s",
+                    len(sizes),
+                    sizes[0],
+                    sizes[-1],
+                    seconds,
+                )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata

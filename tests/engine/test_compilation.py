@@ -12,6 +12,10 @@ from pydantic import ValidationError
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.worker.compilation import (
+    CPU_DEFAULT_LEVEL,
+    CUDA_DEFAULT_LEVEL,
+    LEVEL_ENV,
+    MAX_CAPTURE_SIZE,
     capture_sizes,
     is_decode_only,
     padded_size,
@@ -106,9 +110,36 @@ def test_enforce_eager_is_level_0_and_contradictions_are_refused(tiny_llama_dir)
     assert runner(llm).compiler.num_graphs == 0
 
 
-def test_level_2_is_refused_with_a_clear_error(tiny_llama_dir):
-    with pytest.raises(ValueError, match=r"compilation_level 2 .* not supported yet"):
+def test_level_2_needs_cuda_and_a_capturable_backend(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"compilation_level 2 captures CUDA graphs and needs"):
         LLM(model=str(tiny_llama_dir), compilation_level=2, max_model_len=512)
+    cuda = torch.device("cuda")  # only resolved here, never used
+    level_2 = EngineArgs(model="m", compilation_level=2, attention_backend="torch")
+    with pytest.raises(ValueError, match=r"cannot capture the 'torch' attention backend"):
+        resolve_compilation_level(level_2, cuda, cuda_graph_safe=False)
+    assert resolve_compilation_level(level_2, cuda, cuda_graph_safe=True) == 2
+
+
+def test_defaults_are_graphs_on_cuda_where_the_backend_allows_and_compiled_on_cpu():
+    unset, no_env = EngineArgs(model="m"), {}
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_compilation_level(unset, cuda, True, no_env) == CUDA_DEFAULT_LEVEL == 2
+    assert resolve_compilation_level(unset, cuda, False, no_env) == 1
+    assert resolve_compilation_level(unset, cpu, False, no_env) == CPU_DEFAULT_LEVEL == 1
+    eager = EngineArgs(model="m", enforce_eager=True)
+    assert resolve_compilation_level(eager, cuda, True, no_env) == 0
+
+
+def test_the_environment_sets_the_level_that_no_flag_gives():
+    unset, cpu = EngineArgs(model="m"), torch.device("cpu")
+    assert resolve_compilation_level(unset, cpu, environ={LEVEL_ENV: "0"}) == 0
+    assert resolve_compilation_level(unset, cpu, environ={LEVEL_ENV: ""}) == CPU_DEFAULT_LEVEL
+    level_1 = EngineArgs(model="m", compilation_level=1)
+    assert resolve_compilation_level(level_1, cpu, environ={LEVEL_ENV: "0"}) == 1  # flag wins
+    with pytest.raises(ValueError, match=r"compilation_level 2 captures CUDA graphs"):
+        resolve_compilation_level(unset, cpu, environ={LEVEL_ENV: "2"})
+    with pytest.raises(ValueError, match=r"TIDEGATE_COMPILATION_LEVEL='fast' is not a compil"):
+        resolve_compilation_level(unset, cpu, environ={LEVEL_ENV: "fast"})
 
 
 def test_capture_sizes_follow_vllm_and_end_at_the_batch_cap():
@@ -116,6 +147,7 @@ def test_capture_sizes_follow_vllm_and_end_at_the_batch_cap():
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(4096)[-1] == MAX_CAPTURE_SIZE  # larger decode batches run uncaptured
 
 
 def test_a_batch_is_padded_to_the_next_captured_size():
@@ -146,3 +178,21 @@ def test_the_flags_are_on_the_command_line():
     assert engine_args_from(parser.parse_args(["--model", "m", "--enforce-eager"])).enforce_eager
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--compilation-level", "3"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_compiled_tokens_equal_eager(tiny_llama_dir, compile_cache_dir):
+    """Level 1 is the CPU default, so each rank's compiled shard must hold its all-reduces."""
+    prompts = [tokens(200 + i, 5 + 17 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    eager = LLM(model=str(tiny_llama_dir), compilation_level=0, **ENGINE)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    compiled = LLM(
+        model=str(tiny_llama_dir),
+        compilation_level=1,
+        tensor_parallel_size=2,
+        compile_cache_dir=compile_cache_dir,
+        **ENGINE,
+    )
+    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+    assert got == want
