@@ -101,8 +101,8 @@ class EngineArgs(BaseModel):
         None,
         description="0: eager; 1: torch.compile of the model (attention stays outside the "
         "graph); 2: level 1 plus CUDA graphs for decode-only steps (CUDA, with the triton "
-        "attention backend). Default: 2 on CUDA (1 with the torch backend), 0 on CPU, where "
-        "level 1 is not clearly faster (benchmarks/results/compile.json).",
+        "attention backend). Default: $TIDEGATE_COMPILATION_LEVEL if set, else 2 on CUDA (1 "
+        "with the torch backend) and 1 on CPU (benchmarks/results/compile.json).",
     )
     enforce_eager: bool = Field(
         False, description="Never compile: the same as compilation_level 0 (vLLM's flag)."
