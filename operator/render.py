@@ -495,7 +495,12 @@ class _Context:
         return count * DTYPE_BYTES[self.spec.model.dtype]
 
     def load_seconds(self) -> int:
-        """How long a pod may take to load its weights before it counts as stuck."""
+        """How long a pod may take to load its weights before it counts as stuck.
+
+        The fixed 300 s also covers start-up work that does not grow with the weights:
+        compiling the model (20-35 s on 2 CPU cores from a cold cache) and, on CUDA,
+        capturing the decode graphs.
+        """
         return 300 + math.ceil(self.weight_bytes() / LOAD_BYTES_PER_S)
 
     def progress_deadline(self) -> int:
