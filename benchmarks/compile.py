@@ -1,9 +1,11 @@
 """Compiled vs eager: offline throughput at compilation levels 0 and 1, and start-up times.
 
-Every run is a fresh process (so neither level inherits the other's compiled code), levels
-alternate (0, 1, 0, 1, ...) so that load from other work on the machine hits both alike,
-and the median run of each level is kept. All level-1 runs of a model share one compile
-cache directory: the first is a cold start, the later ones show what the cache saves.
+Three variants: eager, level 1, and eager with the bf16 linear weights left unpacked
+(engine/model/packed_linear.py), which shows what packing them for oneDNN gains. Every run is
+a fresh process (so no variant inherits another's compiled code), variants alternate so that
+load from other work on the machine hits all alike, and the median run of each is kept. All
+level-1 runs of a model share one compile cache directory: the first is a cold start, the
+later ones show what the cache saves.
 
     .venv/bin/python benchmarks/compile.py --out benchmarks/results/compile.json
 """
@@ -29,6 +31,11 @@ def child(ns: argparse.Namespace) -> None:
     from tidegate.engine.config import EngineArgs
     from tidegate.engine.llm import LLM
 
+    if ns.unpacked:
+        from tidegate.engine.worker import model_runner
+
+        model_runner.pack_linear_weights = lambda model: 0
+
     args = EngineArgs(
         model=ns.model,
         dtype=ns.dtype,
@@ -49,7 +56,12 @@ def child(ns: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_child(ns: argparse.Namespace, model: Path, level: int, cache_dir: str) -> dict:
+# name: (compilation level, linear weights packed)
+VARIANTS = {"0": (0, True), "1": (1, True), "0-unpacked": (0, False)}
+
+
+def run_child(ns: argparse.Namespace, model: Path, variant: str, cache_dir: str) -> dict:
+    level, packed = VARIANTS[variant]
     command = [
         sys.executable,
         __file__,
@@ -68,11 +80,19 @@ def run_child(ns: argparse.Namespace, model: Path, level: int, cache_dir: str) -
         str(ns.input_len),
         "--output-len",
         str(ns.output_len),
+        *([] if packed else ["--unpacked"]),
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def pairs_faster(runs: list[dict], than: list[dict]) -> int:
+    """In how many repeats `runs` beat `than` (runs alternate: repeat i saw one machine)."""
+    return sum(
+        a["output_tokens_per_s"] > b["output_tokens_per_s"] for a, b in zip(runs, than, strict=True)
+    )
 
 
 def main() -> None:
@@ -90,6 +110,7 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--level", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--unpacked", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.child:
         child(ns)
@@ -98,16 +119,17 @@ def main() -> None:
     results = []
     for size in ns.sizes:
         model = model_dir(size)
-        runs: dict[int, list[dict]] = {0: [], 1: []}
+        runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
         with tempfile.TemporaryDirectory(prefix="tidegate-compile-cache-") as cache_dir:
             for _ in range(ns.repeats):
-                for level in (0, 1):
-                    run = run_child(ns, model, level, cache_dir)
-                    print(size, "level", level, json.dumps(run), file=sys.stderr, flush=True)
-                    runs[level].append(run)
-        eager = statistics.median(r["output_tokens_per_s"] for r in runs[0])
-        compiled = statistics.median(r["output_tokens_per_s"] for r in runs[1])
-        cold, *warm = (r["startup_s"] for r in runs[1])
+                for variant in VARIANTS:
+                    run = run_child(ns, model, variant, cache_dir)
+                    print(size, variant, json.dumps(run), file=sys.stderr, flush=True)
+                    runs[variant].append(run)
+        eager = statistics.median(r["output_tokens_per_s"] for r in runs["0"])
+        compiled = statistics.median(r["output_tokens_per_s"] for r in runs["1"])
+        unpacked = statistics.median(r["output_tokens_per_s"] for r in runs["0-unpacked"])
+        cold, *warm = (r["startup_s"] for r in runs["1"])
         results.append(
             {
                 "model": f"tidegate make-tiny-model --size {size} (llama)",
@@ -115,14 +137,14 @@ def main() -> None:
                 "level1_output_tokens_per_s": compiled,
                 "level1_over_eager": round(compiled / eager, 3),
                 # Runs alternate, so run i of each level saw much the same machine.
-                "pairs_level1_faster": sum(
-                    one["output_tokens_per_s"] > zero["output_tokens_per_s"]
-                    for zero, one in zip(runs[0], runs[1], strict=True)
-                ),
-                "eager_startup_s": statistics.median(r["startup_s"] for r in runs[0]),
+                "pairs_level1_faster": pairs_faster(runs["1"], runs["0"]),
+                "eager_unpacked_output_tokens_per_s": unpacked,
+                "packed_over_unpacked": round(eager / unpacked, 3),
+                "pairs_packed_faster": pairs_faster(runs["0"], runs["0-unpacked"]),
+                "eager_startup_s": statistics.median(r["startup_s"] for r in runs["0"]),
                 "level1_startup_s_cold_cache": cold,
                 "level1_startup_s_warm_cache": statistics.median(warm) if warm else None,
-                "level1_graphs_at_startup": runs[1][0]["graphs_at_startup"],
+                "level1_graphs_at_startup": runs["1"][0]["graphs_at_startup"],
                 "runs": runs,
             }
         )

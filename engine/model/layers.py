@@ -27,6 +27,7 @@ from tidegate.engine.distributed.parallel_state import (
     kv_head_shard,
     shard_range,
 )
+from tidegate.engine.model.packed_linear import packed_linear
 
 
 def _parameter(*shape: int) -> nn.Parameter:
@@ -83,11 +84,20 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias with the module's weight, packed (packed_linear.py) or plain."""
+    if module.packed is not None:
+        return packed_linear(x, module.packed, bias)
+    return F.linear(x, module.weight, bias)
+
+
 class Linear(nn.Module):
     """y = x @ W.T + b with W of shape [output_size, input_size], whole on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        # The weight in oneDNN's layout once pack_linear_weights has run (CPU, bf16).
+        self.packed: torch.Tensor | None = None
         self.weight = _parameter(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -101,7 +111,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project the last dimension of x."""
-        return F.linear(x, self.weight, self.bias)
+        return _project(self, x, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -124,8 +134,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project this rank's slice of x and sum over the ranks."""
         if get_tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
+            return _project(self, x, self.bias)
+        out = all_reduce(_project(self, x))
         return out if self.bias is None else out + self.bias
 
 
@@ -235,13 +245,17 @@ class LMHead(VocabEmbedding):
     rank (rank 0 samples) sees the whole row.
     """
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.packed: torch.Tensor | None = None  # as Linear's
+
     def tie(self, embedding: VocabEmbedding) -> None:
         """Use the embedding table as the output projection (tie_word_embeddings)."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32, computed in the model's dtype as transformers does."""
-        logits = F.linear(hidden, self.weight).float()
+        logits = _project(self, hidden).float()
         if get_tp_size() == 1:
             return logits
         return all_gather(logits, dim=-1)[..., : self.vocab_size]

@@ -13,6 +13,7 @@ from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, Sche
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
+from tidegate.engine.model.packed_linear import pack_linear_weights
 from tidegate.engine.worker import compilation
 from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
@@ -53,6 +54,8 @@ class ModelRunner:
         self.model, _ = load_model(
             args.model, self.dtype, device, self.attn_backend, config=model_config
         )
+        # bf16 linears on CPU: oneDNN's layout once, not a reorder per call (bitwise equal).
+        self.num_packed_linears = pack_linear_weights(self.model)
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe
         )

@@ -64,7 +64,11 @@ class Worker:
         start = time.perf_counter()
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
         if rank == 0:
-            logger.info("loaded the model in %.1f s", time.perf_counter() - start)
+            logger.info(
+                "loaded the model in %.1f s (%d linear weights packed for oneDNN)",
+                time.perf_counter() - start,
+                self.runner.num_packed_linears,
+            )
         self.kv_connector: KVConnectorWorker | None = None
         if kv_config is not None:
             self.kv_connector = create_worker_connector(

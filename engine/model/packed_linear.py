@@ -1,0 +1,85 @@
+"""bf16 linear weights kept in oneDNN's blocked layout on CPU.
+
+`F.linear` on a CPU bf16 weight hands oneDNN a plain [out, in] matrix, which it reorders into
+its blocked layout on every call: at decode batch sizes that copy costs about as much as the
+product itself. Reordering once, after loading, makes the matmuls of a 64-token decode step
+1.2-1.3x faster and of a single-token one 2-4x (LM head included), with bitwise the same
+results: oneDNN runs the same kernel on the same blocks, only the per-call copy is gone.
+The packed tensor replaces the weight, so memory does not grow. (fp32 linears go through a
+different library on CPU, whose packed form does not give identical results: left as is.)
+
+The packed product is the custom op `tidegate::packed_linear`, so that torch.compile treats
+it as a black box with a known shape, as inductor cannot lower oneDNN's op on a weight that is
+not a constant of the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKED_DTYPES = (torch.bfloat16,)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a CPU bf16 matrix and this torch has oneDNN's packed linear."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in PACKED_DTYPES
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias, with W packed by `pack`."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tidegate.packed_linear(x, packed, bias)
+    # Eagerly, oneDNN's op directly: a custom op's Python dispatch costs ~20 us a call.
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("tidegate::packed_linear", mutates_args=())
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The [out, in] weight in oneDNN's layout (an opaque mkldnn tensor of the same shape)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Pack the weight of every module that has a `packed` slot, if it can; returns how many.
+
+    A weight shared with another module (an LM head tied to the embedding, which needs the
+    plain table for lookups) is left plain: packing it would keep two copies.
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "packed") or weight is None or not can_pack(weight):
+            continue
+        if owners[id(weight)] > 1:
+            continue
+        module.packed = pack(weight)
+        # The plain weight goes: the packed one is the only copy.
+        module.weight = None
+        count += 1
+    return count
