@@ -498,7 +498,7 @@ class _Context:
         """How long a pod may take to load its weights before it counts as stuck.
 
         The fixed 300 s also covers start-up work that does not grow with the weights:
-        compiling the model (20-35 s on 2 CPU cores from a cold cache) and, on CUDA,
+        compiling the model (25-45 s on 2 CPU cores from a cold cache) and, on CUDA,
         capturing the decode graphs.
         """
         return 300 + math.ceil(self.weight_bytes() / LOAD_BYTES_PER_S)

@@ -3,8 +3,10 @@
 `F.linear` on a CPU bf16 weight hands oneDNN a plain [out, in] matrix, which it reorders into
 its blocked layout on every call: at decode batch sizes that copy costs about as much as the
 product itself. Reordering once, after loading, makes the matmuls of a 64-token decode step
-1.2-1.3x faster and of a single-token one 2-4x (LM head included), with bitwise the same
-results: oneDNN runs the same kernel on the same blocks, only the per-call copy is gone.
+1.2-1.3x faster and of a single-token one 2-4x, with bitwise the same results: oneDNN runs
+the same kernel on the same blocks, only the per-call copy is gone. (On 2 cores with
+avx512_bf16: [64, 768] x [768, 2048] 0.62 -> 0.49 ms; a 32000 x 768 LM head for one token
+3.07 -> 0.76 ms.)
 The packed tensor replaces the weight, so memory does not grow. (fp32 linears go through a
 different library on CPU, whose packed form does not give identical results: left as is.)
 

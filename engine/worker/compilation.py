@@ -32,15 +32,19 @@ from tidegate.engine.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
-# What an unset level means. On CPU, level 1 beat eager in 9 of 10 paired runs of
-# `make bench-compile` (fresh processes, alternating): median 1.19x on the tiny model, 1.09x on
-# the small one (benchmarks/results/compile.json). It costs compilation at start-up: 20-35 s
-# on a cold cache, 6-11 s with a warm one (--compile-cache-dir; inductor's default is /tmp).
+# What an unset level means. On CPU, level 1 beat eager in 8 of 10 paired runs of
+# `make bench-compile` (fresh processes, alternating; bf16, linears packed in both): median
+# 1.07x on the tiny model, 1.05x on the small one (benchmarks/results/compile.json; an
+# earlier run without packing: 1.19x and 1.09x, 9 of 10). It costs compilation at start-up:
+# 25-45 s on a cold cache, 7-13 s with a warm one (--compile-cache-dir; inductor's default
+# is under /tmp).
 CPU_DEFAULT_LEVEL = 1
 # On CUDA, graphs for decode (vLLM's default too); level 1 where the backend can't be captured.
 CUDA_DEFAULT_LEVEL = 2
 # The level when no flag gives one: for jobs too short to win back a compile (test suites).
 LEVEL_ENV = "TIDEGATE_COMPILATION_LEVEL"
+# Graphs dynamo may keep for the model's forward in one process: 32 engines' worth.
+RECOMPILE_LIMIT = 64
 # Decode batches above this run without graphs (vLLM's default largest capture size too).
 MAX_CAPTURE_SIZE = 512
 
@@ -105,6 +109,14 @@ class ModelCompiler:
 
     def compile(self, module: nn.Module) -> None:
         """torch.compile `module`'s forward with a dynamic token dimension."""
+        # Dynamo keeps one cache per code object: every engine in a process adds its two
+        # graphs to the one of LlamaModel.forward (each compiler's backend is its own). Past
+        # the per-frame limit (8: four engines) dynamo would run the model eagerly without a
+        # word, as it did to the fifth engine of a benchmark: lift the limit, and make
+        # reaching it an error rather than a silent fallback.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        dynamo.fail_on_recompile_limit_hit = True
         module.compile(backend=self._backend, dynamic=True)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:

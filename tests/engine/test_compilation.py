@@ -16,6 +16,7 @@ from tidegate.engine.worker.compilation import (
     CUDA_DEFAULT_LEVEL,
     LEVEL_ENV,
     MAX_CAPTURE_SIZE,
+    ModelCompiler,
     capture_sizes,
     is_decode_only,
     padded_size,
@@ -196,3 +197,28 @@ def test_tensor_parallel_compiled_tokens_equal_eager(tiny_llama_dir, compile_cac
     )
     got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
     assert got == want
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) * 2
+
+
+@pytest.mark.slow
+def test_many_engines_in_one_process_all_stay_compiled():
+    """Each compiler adds graphs to one dynamo cache; past its default limit (four engines'
+    worth) dynamo used to fall back to eager without a word."""
+    counts = []
+    with torch.inference_mode():
+        for _ in range(6):
+            module, compiler = _Toy(), ModelCompiler()
+            compiler.compile(module)
+            for n in (1, 4, 7):
+                module(torch.randn(n, 8))
+            counts.append(compiler.num_graphs)
+    assert counts == [2] * 6
+    assert torch._dynamo.config.fail_on_recompile_limit_hit  # never silently eager
