@@ -138,8 +138,13 @@ def test_capture_sizes_must_increase():
 
 
 @pytest.mark.slow
-def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir):
-    """The whole engine replays graphs for its decode steps and matches the torch backend."""
+@pytest.mark.parametrize("level", [0, 1], ids=["eager", "compiled"])
+def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level):
+    """The whole engine replays graphs for its decode steps and matches the torch backend.
+
+    Compiled, it is level 2's composition on CPU (inductor's model around the Triton
+    attention op, replayed from static buffers), all but the capture itself.
+    """
     pytest.importorskip("triton", reason="the triton package is not installed")
     common = dict(
         dtype="float32",
@@ -149,11 +154,16 @@ def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir):
         max_num_batched_tokens=32,
         long_prefill_token_threshold=16,
         enable_prefix_caching=True,
-        enforce_eager=True,
     )
     reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
-    llm = LLM(model=str(tiny_llama_dir), attention_backend="triton", **common)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        attention_backend="triton",
+        compilation_level=level,
+        **common,
+    )
     runner = llm.engine.executor.worker.runner
+    assert runner.compilation_level == level
     runner.capture_decode_graphs(CallAgain)
     assert runner.decode_graphs.sizes == [1, 2, 4, 8]
     shared = list(range(11, 43))  # two full blocks
