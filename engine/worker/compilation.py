@@ -83,6 +83,13 @@ def resolve_compilation_level(
     return level
 
 
+def level_was_given(args: EngineArgs, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a flag or the environment chose the level (else the device default did)."""
+    return (
+        args.enforce_eager or args.compilation_level is not None or environ.get(LEVEL_ENV, "") != ""
+    )
+
+
 def _level_from_env(value: str) -> int:
     if value.strip() not in ("0", "1", "2"):
         raise ValueError(f"{LEVEL_ENV}={value!r} is not a compilation level: give 0, 1 or 2")
@@ -117,6 +124,11 @@ class ModelCompiler:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.fail_on_recompile_limit_hit = True
+        # Inductor's precompiled C++ headers are shared by every compile on the machine under
+        # its cache directory, and one built for other CPU-ISA settings was reused here: every
+        # CPU kernel then failed to compile ("at::vec has not been declared"). Without them a
+        # cold compile took no longer on 2 cores (about 20 s for the tiny model).
+        torch._inductor.config.cpp_cache_precompile_headers = False
         module.compile(backend=self._backend, dynamic=True)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -127,6 +139,11 @@ class ModelCompiler:
         # specialise a Python float such as the softmax scale), which is not a second graph.
         self.num_graphs += 1
         return compiled
+
+
+def uncompile(module: nn.Module) -> None:
+    """Make `module` run eagerly again after ModelCompiler.compile."""
+    module._compiled_call_impl = None
 
 
 def warm_up(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,6 +20,8 @@ from tidegate.engine.worker import compilation
 from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
 from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
 
 
 class _LazyPromptTokenIds(Sequence[list[int]]):
@@ -109,15 +113,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile the model's graphs before the first request; returns the seconds it took."""
+        """Compile the model's graphs before the first request; returns the seconds it took.
+
+        When compiling fails at a level nobody asked for (the device's default), the model
+        runs eager with a warning rather than keep the server down; an asked-for level fails.
+        """
         if self.compilation_level == 0:
             return 0.0
-        return compilation.warm_up(
-            self._forward,
-            max_num_tokens=len(self.inputs.input_ids),
-            block_size=self.block_size,
-            device=self.device,
-        )
+        start = time.perf_counter()
+        try:
+            return compilation.warm_up(
+                self._forward,
+                max_num_tokens=len(self.inputs.input_ids),
+                block_size=self.block_size,
+                device=self.device,
+            )
+        except Exception as error:
+            if compilation.level_was_given(self.args):
+                raise
+            logger.warning(
+                "compiling the model failed, so it runs eager (%s: %s); --compilation-level 0 "
+                "skips compiling, --compilation-level %d makes this an error",
+                type(error).__name__,
+                str(error).strip().splitlines()[0][:300] if str(error).strip() else "",
+                self.compilation_level,
+            )
+            compilation.uncompile(self.model.model)
+            self.compilation_level = 0
+            return time.perf_counter() - start
 
     @torch.inference_mode()
     def capture_decode_graphs(self, new_graph: Callable[[], Graph] | None = None) -> float:

@@ -222,3 +222,26 @@ def test_many_engines_in_one_process_all_stay_compiled():
             counts.append(compiler.num_graphs)
     assert counts == [2] * 6
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # never silently eager
+    assert not torch._inductor.config.cpp_cache_precompile_headers  # see ModelCompiler.compile
+
+
+def test_a_default_level_that_fails_to_compile_runs_eager_an_asked_for_one_fails(
+    tiny_llama_dir, monkeypatch, caplog
+):
+    from tidegate.engine.worker import compilation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("C++ compile error\nmore lines")
+
+    monkeypatch.setattr(compilation, "warm_up", broken)
+    monkeypatch.delenv(LEVEL_ENV)  # the CPU default (1) applies
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=512)
+    assert runner(llm).compilation_level == 0
+    assert runner(llm).model.model._compiled_call_impl is None  # runs eager
+    assert "compiling the model failed, so it runs eager (RuntimeError: C++ compile error)" in (
+        caplog.text
+    )
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3
+    with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
+        LLM(model=str(tiny_llama_dir), max_model_len=512, compilation_level=1)
