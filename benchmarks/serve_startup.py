@@ -81,6 +81,9 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "note": "vLLM's CPU build takes 23-26 s to become healthy on this kind of machine "
         "(figure from the issue, not measured in this run)",
+        "compilation": "the engine's default level (1 on CPU: compiled before /health turns "
+        "healthy); the unmeasured first run of each size fills inductor's cache, so these are "
+        "warm starts; with --enforce-eager a start took about 2 s",
         "summary": summary,
         "runs": runs,
     }
