@@ -125,7 +125,12 @@ class EngineCoreClient:
     async def _send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        await self._input.send_multipart([self.identity, kind.value, payload], copy=False)
+        try:
+            await self._input.send_multipart([self.identity, kind.value, payload], copy=False)
+        except zmq.ZMQError as error:
+            # ROUTER_MANDATORY: the core's socket is gone, so the core died, even if the
+            # process watcher has not said so yet (a send racing the kill gave a 500).
+            raise EngineDeadError(f"the engine core is unreachable ({error})") from error
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         """Hand a validated request to the engine core."""
@@ -134,7 +139,8 @@ class EngineCoreClient:
     async def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests in the engine core and free their KV blocks."""
         if request_ids and self.dead_reason is None:
-            await self._send(EngineCoreRequestType.ABORT, self._encoder.encode(request_ids))
+            with contextlib.suppress(EngineDeadError):  # a dead core has nothing to abort
+                await self._send(EngineCoreRequestType.ABORT, self._encoder.encode(request_ids))
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next batch of outputs (one engine step, or an admission/abort report)."""
