@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidegate.engine.bench.local_server import LocalServer
+from tidegate.common.local_server import LocalServer
 from tidegate.engine.bench.workloads import Workload, long_prompt_arrival_workload
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from common import ROOT, machine, model_dir
 
 

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, model_dir
 
+from common import machine, model_dir
 from tidegate.engine import LLM, SamplingParams
 
 BATCH_SIZES = (1, 8, 32, 128)

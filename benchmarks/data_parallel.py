@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 from parallel_sizes import compare_sizes, timed_repeats
 
-from tidegate.engine.bench.local_server import LocalServer, free_port, serve_command
+from tidegate.common.local_server import LocalServer, free_port, serve_command
 
 
 async def _send_all(base_url: str, prompts: list[list[int]], output_len: int) -> list[list[str]]:

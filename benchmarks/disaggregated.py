@@ -38,8 +38,7 @@ from common import (
     update_readme,
     write_result,
 )
-
-from tidegate.engine.bench.local_server import LocalServer
+from tidegate.common.local_server import LocalServer
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tidegate.engine.bench.local_server import LocalServer
+from tidegate.common.local_server import LocalServer
 
 
 def one_run(model_dir: Path, size: str) -> dict:

@@ -23,8 +23,7 @@ from common import (
     update_readme,
     write_result,
 )
-
-from tidegate.engine.bench.local_server import LocalServer, free_port
+from tidegate.common.local_server import LocalServer, free_port
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import random_workload

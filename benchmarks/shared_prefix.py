@@ -20,7 +20,6 @@ from common import (
     update_readme,
     write_result,
 )
-
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import shared_prefix_workload

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.block_hash import extend_block_hashes
 from tidegate.engine.core.engine_core import resolve_max_model_len
-from tidegate.engine.core.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from tidegate.engine.core.request import Request
 from tidegate.engine.core_client import EngineCoreClient
 from tidegate.engine.data_parallel import DataParallelRouter
 from tidegate.engine.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
+from tidegate.engine.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.output_processor import OutputProcessor

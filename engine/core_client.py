@@ -19,13 +19,13 @@ import zmq.asyncio
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core_proc import FAILED, READY, run_engine_core
-from tidegate.engine.core.messages import (
+from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreRequestType,
 )
-from tidegate.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

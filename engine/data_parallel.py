@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tidegate.engine.core.messages import SchedulerStats
+from tidegate.engine.messages import SchedulerStats
 
 # Weight of a waiting request against a running one: a waiting request still has its whole
 # prompt to compute, a running one only its decodes.
@@ -100,17 +100,3 @@ class DataParallelRouter:
         core = self._cores[core_index]
         core.waiting, core.running = stats.num_waiting, stats.num_running
         core.sent_since_stats = 0
-
-
-def devices_of_core(
-    engine_index: int, num_cores: int, devices_per_core: int, visible: list[str]
-) -> str:
-    """CUDA_VISIBLE_DEVICES of one engine core's workers: its own slice of the visible GPUs."""
-    needed = num_cores * devices_per_core
-    if len(visible) < needed:
-        raise ValueError(
-            f"data_parallel_size_local {num_cores} x tensor_parallel_size {devices_per_core} "
-            f"needs {needed} CUDA devices; {len(visible)} are visible"
-        )
-    start = engine_index * devices_per_core
-    return ",".join(visible[start : start + devices_per_core])

@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tidegate.engine.core.messages import SchedulerStats
+from tidegate.engine.messages import SchedulerStats
 
 # fmt: off
 # vLLM's TTFT buckets: from 1 ms up to the minutes a long prompt behind a queue can take.

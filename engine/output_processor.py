@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidegate.engine.core.messages import EngineCoreOutput, LogprobsLists
 from tidegate.engine.core.request import Request
 from tidegate.engine.detokenizer import IncrementalDetokenizer
+from tidegate.engine.messages import EngineCoreOutput, LogprobsLists
 from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 

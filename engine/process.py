@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -50,22 +49,3 @@ def _exit_when_gone(sentinel: int, title: str) -> None:
     multiprocessing.connection.wait([sentinel])
     logger.error("%s: parent process died; exiting", title)
     os._exit(1)
-
-
-def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota.
-
-    os.cpu_count() is the machine's; a Kubernetes pod with `cpu: 2` on a 64-core node gets
-    a quota of 2 CPUs (cpu.max), and a `taskset` process its affinity. Sizing torch's threads
-    by the machine would make every pod oversubscribe its share many times over.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    try:
-        with open(os.path.join(cgroup_root, "cpu.max")) as f:
-            quota, period = f.read().split()[:2]
-    except (OSError, ValueError):
-        return cpus
-    if quota == "max":
-        return cpus
-    return max(1, min(cpus, math.ceil(int(quota) / int(period))))

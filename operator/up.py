@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
+from tidegate.common.cpus import available_cpus
+from tidegate.common.local_server import LocalServer, free_port, tidegate_command
 from tidegate.engine.config import API_KEY_ENV
-from tidegate.engine.process import available_cpus
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
     API_KEY_FILE,

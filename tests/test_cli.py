@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CLI = [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
+CLI = [sys.executable, "-m", "tidegate.cli"]
 
 
 def test_make_tiny_model_and_generate(tmp_path):
@@ -54,8 +54,9 @@ def test_bad_engine_flag_values_exit_with_a_message(tmp_path):
 
 
 def test_serve_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    from tidegate.cli import build_parser
     from tidegate.engine.config import EngineArgs, ServerArgs
-    from tidegate.engine.entrypoints.cli import build_parser, engine_args_from, load_config_file
+    from tidegate.engine.entrypoints.args import engine_args_from, load_config_file
 
     config = tmp_path / "engine.yaml"
     config.write_text(
@@ -85,7 +86,7 @@ def test_serve_config_file_with_an_unknown_flag_is_refused(tmp_path):
 
 
 def test_engine_shapes_this_build_cannot_run_are_refused_before_anything_starts(tmp_path):
-    from tidegate.engine.entrypoints.cli import main
+    from tidegate.cli import main
 
     for flag, value in [("--data-parallel-size-local", "2"), ("--kv-role", "producer")]:
         try:
@@ -96,7 +97,7 @@ def test_engine_shapes_this_build_cannot_run_are_refused_before_anything_starts(
 
 
 def test_every_subcommand_has_working_help():
-    from tidegate.engine.entrypoints.cli import build_parser
+    from tidegate.cli import build_parser
 
     parser = build_parser()
     subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]

@@ -9,17 +9,17 @@ from collections.abc import Callable
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.messages import (
-    EngineCoreOutput,
-    KVEvent,
-    SchedulerOutput,
-    SchedulerStats,
-)
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
 from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler, create_scheduler_connector
+from tidegate.engine.messages import (
+    EngineCoreOutput,
+    KVEvent,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from tidegate.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)

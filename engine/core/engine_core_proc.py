@@ -18,15 +18,15 @@ import zmq
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
-from tidegate.engine.core.messages import (
+from tidegate.engine.core.request import Request
+from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
+from tidegate.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreRequestType,
 )
-from tidegate.engine.core.request import Request
-from tidegate.engine.errors import EngineDeadError
-from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
 from tidegate.engine.process import become_child_process
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,11 @@ def run_engine_core(
     requests.setsockopt(zmq.LINGER, 5000)
     requests.connect(input_address)
     try:
+        from tidegate.engine.device import use_own_devices
         from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
 
         if args.data_parallel_size_local > 1:
-            _use_own_devices(args, engine_index)
+            use_own_devices(args, engine_index)
         engine = EngineCore(args, executor_class=MultiprocExecutor, engine_index=engine_index)
     except Exception as error:
         detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
@@ -228,24 +229,6 @@ class EngineCoreProc:
         multiprocessing.connection.wait(self.engine.executor.sentinels)
         if not self._shutting_down.is_set():
             self.input_queue.put(_WORKER_DIED)
-
-
-def _use_own_devices(args: EngineArgs, engine_index: int) -> None:
-    """On CUDA, give this engine core's workers (spawned later, they inherit it) their GPUs."""
-    import os
-
-    import torch
-
-    from tidegate.engine.data_parallel import devices_of_core
-    from tidegate.engine.worker.worker import resolve_device
-
-    if resolve_device(args.device).type != "cuda":
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices_of_core(
-        engine_index, args.data_parallel_size_local, args.tensor_parallel_size, ids
-    )
 
 
 def _to_request(message: EngineCoreRequest) -> Request:

@@ -9,7 +9,12 @@ from collections.abc import Iterable
 
 from tidegate.engine.core.chunk_tuner import ChunkSizeTuner
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.messages import (
+from tidegate.engine.core.request import Request, RequestStatus
+from tidegate.engine.core.step_budget import StepBudget, StepLimits
+from tidegate.engine.kv_transfer.base import KVConnectorScheduler
+from tidegate.engine.kv_transfer.params import RemoteDecode, RemotePrefill, prompt_digest
+from tidegate.engine.kv_transfer.tracker import KVTransferState, Pin
+from tidegate.engine.messages import (
     CachedRequestData,
     EngineCoreOutput,
     KVEvent,
@@ -20,11 +25,6 @@ from tidegate.engine.core.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-from tidegate.engine.core.request import Request, RequestStatus
-from tidegate.engine.core.step_budget import StepBudget, StepLimits
-from tidegate.engine.kv_transfer.base import KVConnectorScheduler
-from tidegate.engine.kv_transfer.params import RemoteDecode, RemotePrefill, prompt_digest
-from tidegate.engine.kv_transfer.tracker import KVTransferState, Pin
 
 logger = logging.getLogger(__name__)
 

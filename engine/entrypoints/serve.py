@@ -10,38 +10,17 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
-from collections.abc import Iterator
 
 import uvicorn
 
 from tidegate.engine.async_llm import AsyncLLM
 from tidegate.engine.config import EngineArgs, ServerArgs
+from tidegate.engine.http_server import STOP_SIGNALS, StoppableServer
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.process import LOG_FORMAT, name_process
 
 logger = logging.getLogger("tidegate.serve")
-
-
-class StoppableServer(uvicorn.Server):
-    """uvicorn's server, except that a stop signal ends serve() instead of killing us.
-
-    uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill the
-    process before the engine core is stopped and turn a clean drain into exit code 143.
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 
 

@@ -12,7 +12,10 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import (
+from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
+from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.messages import (
     ExecuteModel,
     InitializeKVCache,
     KVPins,
@@ -27,9 +30,6 @@ from tidegate.engine.core.messages import (
     WorkerResult,
     WorkerWarmedUp,
 )
-from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
-from tidegate.engine.errors import EngineDeadError
-from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.worker.worker_proc import run_worker
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 
 

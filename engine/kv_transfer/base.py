@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tidegate.engine.core.messages import KVConnectorMetadata, KVEvent, KVWorkerConfig
+from tidegate.engine.messages import KVConnectorMetadata, KVEvent, KVWorkerConfig
 
 if TYPE_CHECKING:
     import torch

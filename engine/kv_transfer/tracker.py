@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from tidegate.engine.core.messages import KVConnectorMetadata
+from tidegate.engine.messages import KVConnectorMetadata
 
 if TYPE_CHECKING:
     from tidegate.engine.core.request import Request

@@ -23,10 +23,10 @@ import msgspec
 import zmq
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import KVEvent, KVRelease, KVWorkerConfig
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
 from tidegate.engine.kv_transfer.params import RemotePrefill
 from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
+from tidegate.engine.messages import KVEvent, KVRelease, KVWorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidegate.engine.core.messages import (
+from tidegate.engine.kv_transfer.base import KVConnectorWorker
+from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
+from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
+from tidegate.engine.messages import (
     KVConnectorMetadata,
     KVReadReply,
     KVReadRequest,
@@ -38,9 +41,6 @@ from tidegate.engine.core.messages import (
     KVRecvSpec,
     KVWorkerConfig,
 )
-from tidegate.engine.kv_transfer.base import KVConnectorWorker
-from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
-from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
 
 logger = logging.getLogger(__name__)
 # Received frames are read-only; they are copied into the assembled tensors at once.

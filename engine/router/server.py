@@ -13,7 +13,7 @@ import uvicorn
 
 from tidegate.engine.config import RouterArgs
 from tidegate.engine.entrypoints.openai.auth import load_api_key
-from tidegate.engine.entrypoints.serve import StoppableServer
+from tidegate.engine.http_server import StoppableServer
 from tidegate.engine.process import LOG_FORMAT, name_process
 from tidegate.engine.router.app import build_app
 

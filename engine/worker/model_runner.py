@@ -11,8 +11,8 @@ import torch
 
 from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
+from tidegate.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.model.packed_linear import pack_linear_weights

@@ -7,12 +7,13 @@ import time
 
 import torch
 
+from tidegate.common.cpus import available_cpus
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
-from tidegate.engine.core.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.device import resolve_device
 from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
+from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
-from tidegate.engine.process import available_cpus
 from tidegate.engine.worker.malloc import keep_temporaries_off_mmap
 from tidegate.engine.worker.model_runner import ModelRunner
 
@@ -20,15 +21,6 @@ logger = logging.getLogger(__name__)
 
 # On GPUs the cache takes this share of the memory left after the weights.
 _GPU_KV_CACHE_FRACTION = 0.9
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto means CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is visible")
-    return torch.device(name)
 
 
 class Worker:

@@ -9,7 +9,8 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import (
+from tidegate.engine.distributed.shm_broadcast import ShmBroadcastReader, ShmQueueHandle
+from tidegate.engine.messages import (
     ExecuteModel,
     InitializeKVCache,
     KVPins,
@@ -22,7 +23,6 @@ from tidegate.engine.core.messages import (
     WorkerResult,
     WorkerWarmedUp,
 )
-from tidegate.engine.distributed.shm_broadcast import ShmBroadcastReader, ShmQueueHandle
 from tidegate.engine.process import become_child_process
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tidegate.engine.entrypoints.cli import build_parser
+from tidegate.cli import build_parser
 from tidegate.operator import handlers as operator_handlers
 from tidegate.operator.kube import KINDS, Kube
 from tidegate.operator.manifest import load_llm_deployments

@@ -7,7 +7,7 @@ from typing import Any
 
 import psutil
 
-from tidegate.engine.bench.local_server import LocalServer, free_port, serve_command
+from tidegate.common.local_server import LocalServer, free_port, serve_command
 from tidegate.operator.render import render
 
 STARTUP_DEADLINE_S = 90.0

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.e2e.conftest import API_KEY, SERVED_NAME
-from tidegate.engine.entrypoints.cli import main
+from tidegate.cli import main
 
 WORKLOADS = {
     "random": ["--num-prompts", "12", "--input-len", "8-40", "--output-len", "4-8"],

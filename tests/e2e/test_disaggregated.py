@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e.server import ServerProcess
-from tidegate.engine.bench.local_server import LocalServer
+from tidegate.common.local_server import LocalServer
 
 MODEL = "tiny"
 # Small enough that a test can watch an unclaimed pin expire.

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.e2e.server import rendered_config
-from tidegate.engine.bench.local_server import LocalServer, free_port, tidegate_command
+from tidegate.common.local_server import LocalServer, free_port, tidegate_command
 from tidegate.operator.manifest import load_llm_deployments
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_a_file_without_a_local_model_source_asks_for_one(tmp_path: Path) -> Non
         )
     )
     result = subprocess.run(
-        [sys.executable, "-m", "tidegate.engine.entrypoints.cli", "up", "-f", str(manifest)],
+        [sys.executable, "-m", "tidegate.cli", "up", "-f", str(manifest)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 1

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from tests.e2e.test_up import DISAGGREGATED, NAME, UNIFIED, up, wait_serving
-from tidegate.engine.bench.local_server import LocalServer
+from tidegate.common.local_server import LocalServer
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import asyncio
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.async_llm import AsyncLLM
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.messages import EngineCoreOutput, EngineCoreOutputs
 from tidegate.engine.data_parallel import DataParallelRouter
+from tidegate.engine.messages import EngineCoreOutput, EngineCoreOutputs
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.tokenizer import Tokenizer

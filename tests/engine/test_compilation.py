@@ -168,7 +168,7 @@ def test_only_steps_of_single_token_requests_are_decode_only():
 def test_the_flags_are_on_the_command_line():
     import argparse
 
-    from tidegate.engine.entrypoints.cli import add_engine_args, engine_args_from
+    from tidegate.engine.entrypoints.args import add_engine_args, engine_args_from
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -8,9 +8,10 @@ import pytest
 
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.core.block_hash import extend_block_hashes
-from tidegate.engine.core.messages import SchedulerStats
 from tidegate.engine.core.request import Request
-from tidegate.engine.data_parallel import DataParallelRouter, devices_of_core
+from tidegate.engine.data_parallel import DataParallelRouter
+from tidegate.engine.device import devices_of_core
+from tidegate.engine.messages import SchedulerStats
 
 BLOCK_SIZE = 4
 

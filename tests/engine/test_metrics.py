@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidegate.engine.core.messages import SchedulerStats
+from tidegate.engine.messages import SchedulerStats
 from tidegate.engine.metrics import METRICS, PrometheusMetrics
 
 

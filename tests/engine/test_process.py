@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.engine.process import available_cpus
+from tidegate.common.cpus import available_cpus
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.messages import ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
+from tidegate.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.sampling_params import SamplingParams
 
 EOS = 2

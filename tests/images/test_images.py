@@ -25,7 +25,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from tidegate.engine.entrypoints.cli import build_parser
+from tidegate.cli import build_parser
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import ENGINE_PORT, render
 
@@ -294,7 +294,7 @@ def image_site_packages(root: Path, distributions: set[str]) -> Path:
     """A folder holding just these distributions (links into ours) and tidegate."""
     site = root / "site-packages"
     (site / "tidegate").mkdir(parents=True)
-    for package in ("engine", "operator"):
+    for package in ("cli", "common", "engine", "operator"):
         (site / "tidegate" / package).symlink_to(REPO / package)
     for name in distributions - {"tidegate"}:
         dist = metadata.distribution(name)
@@ -308,9 +308,9 @@ def image_site_packages(root: Path, distributions: set[str]) -> Path:
 OPERATOR_CODE_PATH = f"""
 import contextlib, io, json, sys
 import tidegate.operator.handlers
-from tidegate.engine.entrypoints.cli import build_parser, main
+from tidegate.cli import build_parser, main
 
-build_parser().parse_args(["operator"])
+build_parser(only=["operator"]).parse_args(["operator"])
 with contextlib.redirect_stdout(io.StringIO()):
     assert main(["plan", "-f", {str(REPO / "examples" / "llama-70b-8gpu.yaml")!r}]) == 0
 print(json.dumps(sorted(sys.modules)))

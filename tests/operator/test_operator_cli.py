@@ -13,9 +13,9 @@ from pathlib import Path
 import yaml
 
 from tests.operator.cluster import EmulatedCluster, wait_for
-from tidegate.engine.bench.local_server import free_port
+from tidegate.common.local_server import free_port
 
-CLI = [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
+CLI = [sys.executable, "-m", "tidegate.cli"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

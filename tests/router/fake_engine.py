@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tidegate.engine.bench.local_server import free_port
+from tidegate.common.local_server import free_port
 
 DEADLINE_S = 10.0
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from tests.router.conftest import wait_until
-from tidegate.engine.bench.local_server import free_port, tidegate_command
-from tidegate.engine.entrypoints.cli import main
+from tidegate.cli import main
+from tidegate.common.local_server import free_port, tidegate_command
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from tests.router.conftest import wait_until
-from tidegate.engine.bench.local_server import free_port
+from tidegate.common.local_server import free_port
 from tidegate.engine.router.discovery import discover, expand_url
 
 _real_getaddrinfo = socket.getaddrinfo

@@ -12,13 +12,13 @@ import pytest
 import torch
 import zmq
 
-from tidegate.engine.core.messages import (
+from tidegate.engine.kv_transfer.zmq_worker import ZmqConnectorWorker
+from tidegate.engine.messages import (
     KVConnectorMetadata,
     KVRecvDone,
     KVRecvSpec,
     KVWorkerConfig,
 )
-from tidegate.engine.kv_transfer.zmq_worker import ZmqConnectorWorker
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 2, 8
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from tidegate.engine.bench.local_server import LocalServer, tidegate_command
+from tidegate.common.local_server import LocalServer, tidegate_command
 
 _STARTUP_DEADLINE_S = 300.0
 

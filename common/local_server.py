@@ -29,7 +29,7 @@ def tidegate_command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("tidegate")
-    return [found] if found else [sys.executable, "-m", "tidegate.engine.entrypoints.cli"]
+    return [found] if found else [sys.executable, "-m", "tidegate.cli"]
 
 
 def serve_command(model: str | Path, *flags: str, port: int) -> list[str]:

@@ -1,0 +1,54 @@
+"""Which device an engine runs on, and which GPUs each engine core of a pod may see.
+
+A module of its own, below the core and the workers, so that the engine core can place its
+workers without importing the worker package, and the data-parallel router stays pure
+bookkeeping. torch is imported only when a device is resolved.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tidegate.engine.config import EngineArgs
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto means CUDA when present, else CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is visible")
+    return torch.device(name)
+
+
+def devices_of_core(
+    engine_index: int, num_cores: int, devices_per_core: int, visible: list[str]
+) -> str:
+    """CUDA_VISIBLE_DEVICES of one engine core's workers: its own slice of the visible GPUs."""
+    needed = num_cores * devices_per_core
+    if len(visible) < needed:
+        raise ValueError(
+            f"data_parallel_size_local {num_cores} x tensor_parallel_size {devices_per_core} "
+            f"needs {needed} CUDA devices; {len(visible)} are visible"
+        )
+    start = engine_index * devices_per_core
+    return ",".join(visible[start : start + devices_per_core])
+
+
+def use_own_devices(args: EngineArgs, engine_index: int) -> None:
+    """On CUDA, give this engine core's workers (spawned later, they inherit it) their GPUs."""
+    import torch
+
+    if resolve_device(args.device).type != "cuda":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices_of_core(
+        engine_index, args.data_parallel_size_local, args.tensor_parallel_size, ids
+    )

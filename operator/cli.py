@@ -1,0 +1,119 @@
+"""The operator's subcommands of `tidegate`: plan, up, operator and demo.
+
+`tidegate.cli` imports this module only when one of them runs. Rendering a plan imports no
+engine internals; `tidegate up` starts engine processes through the `tidegate` command, never
+by importing the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tidegate.operator.render import DEFAULT_ENGINE_IMAGE
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    from tidegate.operator.manifest import load_llm_deployments
+    from tidegate.operator.plan import plan, write_table, write_yaml
+    from tidegate.operator.render import RenderOptions
+    from tidegate.operator.spec import SpecError
+
+    try:
+        resources = load_llm_deployments(ns.file)
+        for resource in resources:
+            if ns.namespace:
+                resource["metadata"]["namespace"] = ns.namespace
+        plans = plan(resources, RenderOptions(default_image=ns.engine_image))
+    except SpecError as error:
+        print(f"tidegate plan: {error}", file=sys.stderr)
+        return 1
+    (write_yaml if ns.output == "yaml" else write_table)(resources, plans, sys.stdout)
+    return 0
+
+
+def _up(ns: argparse.Namespace) -> int:
+    from tidegate.operator.up import run_up
+
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    return run_up(ns.file, ns.model_dir, ns.port)
+
+
+def _operator(ns: argparse.Namespace) -> int:
+    from tidegate.operator.handlers import OperatorOptions, run_operator
+    from tidegate.operator.render import RenderOptions
+
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    options = OperatorOptions(render=RenderOptions(default_image=ns.engine_image))
+    run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
+    return 0
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    from tidegate.operator.demo import run_demo
+
+    try:
+        return run_demo(ns.model, ns.port, ns.file)
+    except RuntimeError as error:
+        print(f"tidegate demo: {error}", file=sys.stderr)
+        return 1
+
+
+def add_plan(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    parser.add_argument("-f", "--file", required=True, help="YAML with LLMDeployment resources")
+    parser.add_argument("-o", "--output", choices=["table", "yaml"], default="table")
+    parser.add_argument("-n", "--namespace", help="namespace to render into (default: the file's)")
+    parser.add_argument(
+        "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
+    )
+    parser.set_defaults(handler=_plan)
+
+
+def add_up(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    parser.add_argument("-f", "--file", required=True, help="YAML with one LLMDeployment")
+    parser.add_argument(
+        "--model-dir", type=Path, help="local model folder (default: the hostPath source)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port of the public endpoint")
+    parser.set_defaults(handler=_up)
+
+
+def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        help="watch this namespace (repeat for several); default: the whole cluster",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="URL of the liveness endpoint to serve ('' for none)",
+    )
+    parser.add_argument(
+        "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
+    )
+    parser.set_defaults(handler=_operator)
+
+
+def add_demo(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "-f", "--file", default="examples/disaggregated-tiny.yaml", help="the LLMDeployment to run"
+    )
+    parser.set_defaults(handler=_demo)
+
+
+COMMANDS: dict[str, Callable[[argparse.ArgumentParser, dict[str, Any] | None], None]] = {
+    "plan": add_plan,
+    "up": add_up,
+    "operator": add_operator,
+    "demo": add_demo,
+}
