@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.core.block_hash import extend_block_hashes
+from tidegate.engine.core.block_hash import append_block_hashes
 from tidegate.engine.core.engine_core import resolve_max_model_len
-from tidegate.engine.core.request import Request
 from tidegate.engine.core_client import EngineCoreClient
 from tidegate.engine.data_parallel import DataParallelRouter
 from tidegate.engine.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
@@ -154,7 +153,7 @@ class AsyncLLM:
         return next((c.dead_reason for c in self.clients if c.dead_reason is not None), None)
 
     async def generate(
-        self, request: Request, prompt: str | None = None
+        self, request: EngineCoreRequest, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Submit a validated request and yield its deltas until it finishes.
 
@@ -165,8 +164,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         request_id = request.request_id
         stream = _Stream(
-            num_prompt_tokens=request.num_prompt_tokens,
-            arrival_time=time.monotonic(),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            arrival_time=request.arrival_time,
             engine_index=self._route(request),
         )
         client = self.clients[stream.engine_index]
@@ -174,19 +173,7 @@ class AsyncLLM:
         self.output_processor.add_request(request, prompt, delta=True)
         finished = False
         try:
-            await client.add_request(
-                EngineCoreRequest(
-                    request_id=request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=request.sampling_params,
-                    eos_token_ids=sorted(request.eos_token_ids),
-                    arrival_time=stream.arrival_time,
-                    cache_salt=request.cache_salt,
-                    kv_transfer_params=(
-                        request.kv_transfer.model_dump() if request.kv_transfer else None
-                    ),
-                )
-            )
+            await client.add_request(request)
             while True:
                 item = await self._next_output(stream)
                 if isinstance(item, BaseException):
@@ -231,13 +218,16 @@ class AsyncLLM:
             task.cancel()
         await asyncio.gather(*(client.shutdown() for client in self.clients))
 
-    def _route(self, request: Request) -> int:
+    def _route(self, request: EngineCoreRequest) -> int:
         """The engine core for a request: by load, or by where its prefix blocks are."""
         if self.router.num_cores == 1:
             return 0
         # The KV cache manager's own hashes (cache_salt included), so equal means cached.
-        extend_block_hashes(request, self.block_size)
-        return self.router.choose(request.block_hashes)
+        block_hashes: list[bytes] = []
+        append_block_hashes(
+            block_hashes, request.prompt_token_ids, self.block_size, request.cache_salt
+        )
+        return self.router.choose(block_hashes)
 
     # -- the output loop --------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""Prompts and parameters in, validated Requests out: the one place bad input is refused."""
+"""Prompts and parameters in, EngineCoreRequests out: the one place bad input is refused."""
 
 from __future__ import annotations
 
 import copy
+import time
 
-from tidegate.engine.core.request import Request
+from tidegate.engine.kv_transfer.params import KVTransferParams
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.sampling_params import SamplingParams
 from tidegate.engine.tokenizer import Tokenizer
@@ -44,8 +46,9 @@ class InputProcessor:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> Request:
-        """A Request ready for the scheduler, or a ValueError that says what is allowed."""
+        kv_transfer: KVTransferParams | None = None,
+    ) -> EngineCoreRequest:
+        """A request ready for an engine core, or a ValueError that says what is allowed."""
         token_ids = self.prompt_token_ids(prompt)
         self.check_prompt(token_ids)
         if (
@@ -71,12 +74,14 @@ class InputProcessor:
             params.top_k = 0
         stop_ids = set(params.stop_token_ids or [])
         params.all_stop_token_ids = stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
-        return Request(
+        return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=sorted(self.eos_token_ids),
+            arrival_time=time.monotonic(),
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer.model_dump() if kv_transfer is not None else None,
         )
 
     def check_prompt(self, token_ids: list[int]) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidegate.engine.core.request import Request
 from tidegate.engine.detokenizer import IncrementalDetokenizer
-from tidegate.engine.messages import EngineCoreOutput, LogprobsLists
+from tidegate.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 
@@ -27,7 +26,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: str | None, delta: bool = False) -> None:
+    def add_request(
+        self, request: EngineCoreRequest, prompt: str | None, delta: bool = False
+    ) -> None:
         """Start tracking a request; with `delta`, each update carries only what is new."""
         params = request.sampling_params
         self._states[request.request_id] = _RequestState(

@@ -34,23 +34,28 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(request: Request, block_index: int) -> tuple | None:
+def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
     """Extra keys of a request's block: its cache salt, on the first block only."""
     # The salt only needs to enter the first block: chaining carries it to every later one,
     # so two salts (or a salt and none) never share any block.
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
+    if block_index == 0 and cache_salt is not None:
+        return (cache_salt,)
     return None
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Append to `request.block_hashes` the hashes of its newly full blocks."""
-    hashes = request.block_hashes
-    token_ids = request.all_token_ids
+    append_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
+
+
+def append_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None
+) -> None:
+    """Append to `hashes` those of the full blocks of `token_ids` that it does not hold yet."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[i - 1] if i > 0 else None
         tokens = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block_tokens(parent, tokens, block_extra_keys(request, i)))
+        hashes.append(hash_block_tokens(parent, tokens, block_extra_keys(cache_salt, i)))
 
 
 def _encode(value: object) -> bytes:

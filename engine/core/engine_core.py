@@ -7,6 +7,8 @@ import queue
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.request import Request
@@ -16,6 +18,7 @@ from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler, create_scheduler_connector
 from tidegate.engine.messages import (
     EngineCoreOutput,
+    EngineCoreRequest,
     KVEvent,
     SchedulerOutput,
     SchedulerStats,
@@ -137,9 +140,9 @@ class EngineCore:
             self.max_model_len,
         )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; it joins the batch at the next step."""
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request))
         self._stalled = False
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -154,11 +157,11 @@ class EngineCore:
 
     def has_pending_kv(self) -> bool:
         """True while pulls are in flight or blocks are pinned for consumers."""
-        return bool(self.scheduler.num_pulling or len(self.scheduler.kv.pins))
+        return self.scheduler.kv_transfer.has_pending()
 
     def kv_timeout(self) -> float | None:
         """Seconds until a pin or a pull times out; None when nothing can."""
-        deadline = self.scheduler.kv.next_deadline()
+        deadline = self.scheduler.kv_transfer.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _on_kv_event(self, event: KVEvent) -> None:
@@ -178,7 +181,7 @@ class EngineCore:
                 break
             self.scheduler.on_kv_event(event)
             changed = True
-        deadline = self.scheduler.kv.next_deadline()
+        deadline = self.scheduler.kv_transfer.next_deadline()
         if deadline is not None and deadline <= time.monotonic():
             self.scheduler.expire_kv(time.monotonic())
             changed = True
@@ -191,10 +194,10 @@ class EngineCore:
         """Pins and unpins to the workers (before any later step), notices to producers."""
         if self.kv_connector is None:
             return
-        pin, unpin = self.scheduler.kv.take_pin_updates()
+        pin, unpin = self.scheduler.kv_transfer.take_pin_updates()
         if pin or unpin:
             self.executor.update_kv_pins(pin, unpin)
-        for params in self.scheduler.kv.take_releases():
+        for params in self.scheduler.kv_transfer.take_releases():
             self.kv_connector.release_remote(params)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -231,42 +234,14 @@ class EngineCore:
 
     def scheduler_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
         """The stats message the API server turns into metrics."""
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_total_blocks=kv.num_total_blocks,
-            num_free_blocks=kv.num_free_blocks,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_computed=self.scheduler.num_computed_prompt_tokens,
-            num_batched_tokens=num_batched_tokens,
-            kv_pinned_blocks=self.scheduler.kv.pins.num_blocks,
-            kv_pins_expired=self.scheduler.kv.pins_expired,
-            kv_received_bytes=self.scheduler.kv.received_bytes,
-            kv_transfer_fallbacks=self.scheduler.kv.fallbacks,
-            kv_transfer_latencies=self.scheduler.kv.take_latencies(),
-        )
+        return self.scheduler.make_stats(num_batched_tokens)
 
     def stats(self) -> dict[str, float]:
         """Counters users and metrics read: blocks, prefix cache, preemptions, queue sizes."""
-        kv = self.kv_cache_manager
-        return {
-            "num_total_blocks": kv.num_total_blocks,
-            "num_free_blocks": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_computed_prompt_tokens": self.scheduler.num_computed_prompt_tokens,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_steps": self.scheduler.num_steps,
-            "num_pulling": self.scheduler.num_pulling,
-            "kv_pinned_blocks": self.scheduler.kv.pins.num_blocks,
-            "kv_pins_expired": self.scheduler.kv.pins_expired,
-            "kv_received_bytes": self.scheduler.kv.received_bytes,
-            "kv_transfer_fallbacks": self.scheduler.kv.fallbacks,
-        }
+        # The same counters as scheduler_stats(), which alone hands over the pull latencies.
+        stats = msgspec.structs.asdict(self.scheduler.make_stats(take_latencies=False))
+        del stats["num_batched_tokens"], stats["kv_transfer_latencies"]
+        stats["num_computed_prompt_tokens"] = stats.pop("prompt_tokens_computed")
+        stats["num_steps"] = self.scheduler.num_steps
+        stats["num_pulling"] = self.scheduler.num_pulling
+        return stats

@@ -18,9 +18,7 @@ import zmq
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
-from tidegate.engine.core.request import Request
 from tidegate.engine.errors import EngineDeadError
-from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
 from tidegate.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
@@ -173,7 +171,7 @@ class EngineCoreProc:
             elif self._queue_full():
                 rejected.append(payload.request_id)
             else:
-                self.engine.add_request(_to_request(payload))
+                self.engine.add_request(payload)
         if rejected or (changed and not self.engine.has_unfinished_requests()):
             # No step follows to report the new state (an abort emptied the engine, or a
             # request was refused): report it now.
@@ -229,15 +227,3 @@ class EngineCoreProc:
         multiprocessing.connection.wait(self.engine.executor.sentinels)
         if not self._shutting_down.is_set():
             self.input_queue.put(_WORKER_DIED)
-
-
-def _to_request(message: EngineCoreRequest) -> Request:
-    return Request(
-        request_id=message.request_id,
-        prompt_token_ids=message.prompt_token_ids,
-        sampling_params=message.sampling_params,
-        eos_token_ids=set(message.eos_token_ids),
-        cache_salt=message.cache_salt,
-        arrival_time=message.arrival_time,
-        kv_transfer=parse_kv_transfer_params(message.kv_transfer_params),
-    )

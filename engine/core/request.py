@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
-from tidegate.engine.kv_transfer.params import KVTransferParams
+from tidegate.engine.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +49,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        eos_token_ids: Iterable[int] = frozenset(),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer: KVTransferParams | None = None,
@@ -77,6 +79,19 @@ class Request:
         self.kv_transfer = kv_transfer
         self.kv_pull_tried = False
         self.kv_transfer_params_out: dict | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, message: EngineCoreRequest) -> Request:
+        """The scheduler's request for one the API server (or the offline LLM) handed over."""
+        return cls(
+            request_id=message.request_id,
+            prompt_token_ids=message.prompt_token_ids,
+            sampling_params=message.sampling_params,
+            eos_token_ids=message.eos_token_ids,
+            cache_salt=message.cache_salt,
+            arrival_time=message.arrival_time,
+            kv_transfer=parse_kv_transfer_params(message.kv_transfer_params),
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 
 from tidegate.engine.core.chunk_tuner import ChunkSizeTuner
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
+from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
 from tidegate.engine.core.step_budget import StepBudget, StepLimits
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
-from tidegate.engine.kv_transfer.params import RemoteDecode, RemotePrefill, prompt_digest
-from tidegate.engine.kv_transfer.tracker import KVTransferState, Pin
 from tidegate.engine.messages import (
     CachedRequestData,
     EngineCoreOutput,
     KVEvent,
     KVRecvDone,
-    KVRecvSpec,
     KVRelease,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SchedulerStats,
 )
-
-logger = logging.getLogger(__name__)
-
-# A consumer gives up on a pull this long after its workers should have (lost reports).
-_PULL_GRACE_S = 5.0
 
 
 class Scheduler:
@@ -67,7 +60,9 @@ class Scheduler:
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
         self.num_computed_prompt_tokens = 0
-        self.kv = KVTransferState(kv_connector, kv_transfer_timeout, world_size)
+        self.kv_transfer = KVTransferCoordinator(
+            kv_connector, kv_cache_manager, kv_transfer_timeout, world_size
+        )
 
     # -- the request set --------------------------------------------------------------------
 
@@ -84,8 +79,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None and not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-            elif req_id in self.kv.pin_of_request:
-                self._unpin(self.kv.pin_of_request[req_id])
+            else:
+                self.kv_transfer.unpin_request(req_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while some request waits or runs (not counting pulls in flight)."""
@@ -94,7 +89,7 @@ class Scheduler:
     @property
     def num_pulling(self) -> int:
         """Consumer requests parked until their KV arrives."""
-        return len(self.kv.parked)
+        return self.kv_transfer.num_parked
 
     @property
     def num_running(self) -> int:
@@ -193,7 +188,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
-            kv_connector_metadata=self.kv.take_meta(),
+            kv_connector_metadata=self.kv_transfer.take_connector_metadata(),
         )
         self._finished_req_ids = set()
         if self.chunk_tuner is not None:  # only the tuner needs the step's mix
@@ -226,7 +221,7 @@ class Scheduler:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]
-            if self._wants_pull(request):
+            if self.kv_transfer.wants_pull(request):
                 parked = self._park_for_pull(request)
                 if parked is None:
                     break  # no room for its blocks yet
@@ -274,9 +269,7 @@ class Scheduler:
                 )
             else:
                 self._known_to_runner.add(request.request_id)
-                if request.request_id in self.kv.to_load:
-                    self.kv.to_load.discard(request.request_id)
-                    self.kv.meta.load.append(request.request_id)
+                self.kv_transfer.schedule_load(request.request_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id=request.request_id,
@@ -377,24 +370,13 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request out of the queues, free its blocks and tell the runner next step."""
         request.status = status
-        rid = request.request_id
         if request in self.running:
             self.running.remove(request)
-        elif rid in self.kv.parked:
-            del self.kv.parked[rid]
-            self.kv.pulls.cancel(rid)
-            self._drop_pull(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            if rid in self.kv.to_load:
-                self.kv.to_load.discard(rid)
-                self.kv.meta.discard.append(rid)
-        if (
-            isinstance(request.kv_transfer, RemoteDecode)
-            and self.kv.enabled
-            and (status is not RequestStatus.FINISHED_ABORTED)
-        ):
-            self._pin(request)
+        self.kv_transfer.forget_pull(request)
+        if status is not RequestStatus.FINISHED_ABORTED and self.kv_transfer.wants_pin(request):
+            self.kv_transfer.pin(request)
         else:
             self.kv_cache_manager.free(request)
         if request.request_id in self._known_to_runner:
@@ -404,145 +386,71 @@ class Scheduler:
 
     # -- KV transfer (disaggregated prefill/decode) -------------------------------------------
 
-    def _pin(self, request: Request) -> None:
-        """Producer: keep a finished prompt's blocks for a consumer and say where they are."""
-        assert self.kv.connector is not None
-        transfer_id = f"{request.request_id}~{next(self.kv.sequence)}"
-        block_ids = self.kv_cache_manager.detach(request, transfer_id)
-        deadline = time.monotonic() + self.kv.timeout_s
-        self.kv.pins.add(Pin(transfer_id, request.request_id, len(block_ids), deadline))
-        self.kv.pin[transfer_id] = block_ids
-        self.kv.pin_of_request[request.request_id] = transfer_id
-        request.kv_transfer_params_out = self.kv.connector.transfer_params(
-            transfer_id, block_ids, prompt_digest(request.prompt_token_ids)
-        )
-
-    def _unpin(self, transfer_id: str, expired: bool = False) -> None:
-        pin = self.kv.pins.pop(transfer_id)
-        if pin is None:
-            return  # released already (a second notice, or after the timeout)
-        self.kv_cache_manager.free_detached(transfer_id)
-        self.kv.unpin.append(transfer_id)
-        if self.kv.pin_of_request.get(pin.request_id) == transfer_id:
-            del self.kv.pin_of_request[pin.request_id]
-        if expired:
-            self.kv.pins_expired += 1
-            logger.warning("KV transfer %s expired; its blocks are freed", transfer_id)
-
-    def _wants_pull(self, request: Request) -> bool:
-        return (
-            self.kv.enabled
-            and isinstance(request.kv_transfer, RemotePrefill)
-            and not request.kv_pull_tried
-        )
-
     def _park_for_pull(self, request: Request) -> bool | None:
         """Consumer: allocate blocks and start pulling the prompt's KV (True), or compute the
         prompt here (False: nothing to pull, or the producer's answer does not fit), or wait
         for room (None)."""
-        params = request.kv_transfer
-        assert isinstance(params, RemotePrefill)
         kv = self.kv_cache_manager
         computed_blocks, num_cached = kv.get_computed_blocks(request)
         # Every prompt token but the last: computing that one yields the first token's logits.
         num_remote = request.num_prompt_tokens - 1 - num_cached
-        first, end = num_cached // self.block_size, -(-(num_cached + num_remote) // self.block_size)
-        problem = self._pull_problem(request, params, end) if num_remote > 0 else ""
-        if num_remote <= 0 or problem:
-            # Nothing to pull (the prefix cache has it all), or nothing usable.
-            request.kv_pull_tried = True
-            if problem:
-                logger.warning("computing %s locally: %s", request.request_id, problem)
-                self.kv.fallbacks += 1
-            self.kv.releases.append(params)
+        if num_remote <= 0:
+            self.kv_transfer.skip_pull(request)  # the prefix cache has it all
+            return False
+        problem = self.kv_transfer.pull_problem(request, num_cached + num_remote)
+        if problem:
+            self.kv_transfer.skip_pull(request, problem)
             return False
         if not self._leaves_headroom(request, computed_blocks, num_cached + num_remote):
             return None
         if kv.allocate_slots(request, num_remote, computed_blocks, num_cached, cache=False) is None:
             return None
         self.waiting.popleft()
-        request.kv_pull_tried = True
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
         request.first_scheduled_time = time.monotonic()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        rid = request.request_id
-        self.kv.parked[rid] = request
-        self.kv.pulls.start(rid, time.monotonic() + self.kv.timeout_s + _PULL_GRACE_S)
-        self.kv.meta.recv.append(
-            KVRecvSpec(
-                req_id=rid,
-                transfer_id=params.remote_request_id,
-                host=params.remote_host,
-                data_ports=params.remote_data_ports,
-                remote_block_ids=params.remote_block_ids[first:end],
-                local_block_ids=kv.get_block_ids(rid)[first:end],
-            )
-        )
+        self.kv_transfer.park(request, num_cached, num_remote)
         return True
-
-    def _pull_problem(self, request: Request, params: RemotePrefill, num_blocks: int) -> str:
-        """Why the producer's blocks cannot stand for this prompt ('' when they can)."""
-        if params.remote_block_size != self.block_size:
-            return f"producer blocks hold {params.remote_block_size} tokens, ours {self.block_size}"
-        if params.prompt_digest != prompt_digest(request.prompt_token_ids):
-            return "the producer tokenized a different prompt (tokenizer or template differ)"
-        if len(params.remote_block_ids) < num_blocks:
-            return f"producer named {len(params.remote_block_ids)} blocks; the prompt needs {num_blocks}"
-        return ""
 
     def on_kv_event(self, event: KVEvent) -> None:
         """A worker finished a pull, or a consumer is done with a pin."""
         if isinstance(event, KVRelease):
-            self._unpin(event.transfer_id)
+            self.kv_transfer.unpin(event.transfer_id)
             return
         assert isinstance(event, KVRecvDone)
-        state = self.kv.pulls.report(
-            event.req_id, event.rank, event.ok, event.num_bytes, event.seconds
-        )
-        if state == "done":
-            self._pull_done(event.req_id)
-        elif state == "failed":
-            self._pull_failed(event.req_id, event.error)
+        request = self.kv_transfer.record_pull(event)
+        if request is not None:
+            self.waiting.appendleft(request)
 
     def expire_kv(self, now: float) -> None:
         """Free pins nobody claimed in time; compute prompts whose pull never finished."""
-        for transfer_id in self.kv.pins.expired(now):
-            self._unpin(transfer_id, expired=True)
-        for rid in self.kv.pulls.pop_expired(now):
-            self._pull_failed(rid, "no report from the workers in time")
+        for request in self.kv_transfer.expire(now):
+            self.waiting.appendleft(request)
 
-    def _pull_done(self, rid: str) -> None:
-        request = self.kv.parked.pop(rid)
-        num_bytes, seconds = self.kv.pulls.finish(rid)
-        self.kv.received_bytes += num_bytes
-        self.kv.latencies.append(seconds)
-        request.num_computed_tokens = request.num_prompt_tokens - 1
-        # Only now is the KV really there: from here on other requests may hit these blocks.
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.WAITING
-        self.kv.to_load.add(rid)
-        self.waiting.appendleft(request)
-        assert isinstance(request.kv_transfer, RemotePrefill)
-        self.kv.releases.append(request.kv_transfer)
+    # -- stats --------------------------------------------------------------------------------
 
-    def _pull_failed(self, rid: str, reason: str) -> None:
-        request = self.kv.parked.pop(rid, None)
-        if request is None:
-            return
-        self.kv.pulls.cancel(rid)
-        logger.warning("KV pull of %s failed (%s); computing the prompt locally", rid, reason)
-        self.kv.fallbacks += 1
-        # It keeps its blocks and its local prefix hits; the rest is computed as usual.
-        request.status = RequestStatus.WAITING
-        self._drop_pull(request)
-        self.waiting.appendleft(request)
-
-    def _drop_pull(self, request: Request) -> None:
-        """Workers drop what they pulled for the request; the producer may free its pin."""
-        self.kv.meta.discard.append(request.request_id)
-        assert isinstance(request.kv_transfer, RemotePrefill)
-        self.kv.releases.append(request.kv_transfer)
+    def make_stats(
+        self, num_batched_tokens: int = 0, take_latencies: bool = True
+    ) -> SchedulerStats:
+        """The scheduler and its KV cache now; `take_latencies` hands over the pull times."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_total_blocks=kv.num_total_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens_computed=self.num_computed_prompt_tokens,
+            num_batched_tokens=num_batched_tokens,
+            kv_pinned_blocks=self.kv_transfer.num_pinned_blocks,
+            kv_pins_expired=self.kv_transfer.num_pins_expired,
+            kv_received_bytes=self.kv_transfer.num_received_bytes,
+            kv_transfer_fallbacks=self.kv_transfer.num_fallbacks,
+            kv_transfer_latencies=self.kv_transfer.take_latencies() if take_latencies else [],
+        )
 
 
 def _is_decoding(request: Request) -> bool:

@@ -1,20 +1,14 @@
-"""The scheduler's bookkeeping of KV transfers: pinned blocks (producer), pulls (consumer).
+"""Bookkeeping of KV transfers by id: pinned transfers and their deadlines (producer), pulls
+and their per-rank reports (consumer).
 
-Pure: the scheduler feeds it times and worker reports; sockets stay elsewhere.
+Pure data structures, no requests, no I/O: the engine core's KV-transfer coordinator
+(engine/core/kv_coordinator.py) drives them.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-from tidegate.engine.messages import KVConnectorMetadata
-
-if TYPE_CHECKING:
-    from tidegate.engine.core.request import Request
-    from tidegate.engine.kv_transfer.base import KVConnectorScheduler
-    from tidegate.engine.kv_transfer.params import RemotePrefill
+from typing import Literal
 
 
 @dataclass
@@ -128,65 +122,3 @@ class PullTracker:
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self._pulls.values()), default=None)
-
-
-@dataclass
-class KVTransferState:
-    """Everything the scheduler tracks about KV transfers, and what it owes others.
-
-    `pin`/`unpin` go to the workers and `releases` to producers; the engine core takes them
-    after every step and every event, so a worker stops serving blocks before they are reused.
-    """
-
-    connector: KVConnectorScheduler | None
-    timeout_s: float
-    world_size: int
-    pins: PinTable = field(default_factory=PinTable)
-    pulls: PullTracker = field(init=False)
-    # Consumer requests whose blocks are allocated and whose KV is on its way.
-    parked: dict[str, Request] = field(default_factory=dict)
-    # Pulled and not yet run: the step that first runs them writes their KV (`load`).
-    to_load: set[str] = field(default_factory=set)
-    meta: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
-    pin: dict[str, list[int]] = field(default_factory=dict)
-    unpin: list[str] = field(default_factory=list)
-    releases: list[RemotePrefill] = field(default_factory=list)
-    # Producer request id -> transfer id of its pin, for aborts.
-    pin_of_request: dict[str, str] = field(default_factory=dict)
-    sequence: itertools.count = field(default_factory=itertools.count)
-    pins_expired: int = 0
-    received_bytes: int = 0
-    fallbacks: int = 0
-    latencies: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.pulls = PullTracker(self.world_size)
-
-    @property
-    def enabled(self) -> bool:
-        return self.connector is not None
-
-    def take_meta(self) -> KVConnectorMetadata | None:
-        """The workers' part of the next step, if it has any."""
-        meta = self.meta
-        if not (meta.recv or meta.load or meta.discard):
-            return None
-        self.meta = KVConnectorMetadata()
-        return meta
-
-    def take_pin_updates(self) -> tuple[dict[str, list[int]], list[str]]:
-        pin, unpin = self.pin, self.unpin
-        self.pin, self.unpin = {}, []
-        return pin, unpin
-
-    def take_releases(self) -> list[RemotePrefill]:
-        releases, self.releases = self.releases, []
-        return releases
-
-    def take_latencies(self) -> list[float]:
-        latencies, self.latencies = self.latencies, []
-        return latencies
-
-    def next_deadline(self) -> float | None:
-        deadlines = [d for d in (self.pins.next_deadline(), self.pulls.next_deadline()) if d]
-        return min(deadlines, default=None)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import random
+import time
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
-from tidegate.engine.core.request import Request
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.sampling_params import SamplingParams
 
 
-def make_request(req_id: str, n: int, max_tokens: int, seed: int) -> Request:
+def make_request(req_id: str, n: int, max_tokens: int, seed: int) -> EngineCoreRequest:
     rng = random.Random(seed)
     prompt = [rng.randrange(6, 900) for _ in range(n)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(req_id, prompt, params, eos_token_ids={2})
+    return EngineCoreRequest(req_id, prompt, params, [2], arrival_time=time.monotonic())
 
 
 def test_running_decodes_get_a_token_every_step_while_a_2000_token_prompt_prefills(
@@ -30,9 +31,9 @@ def test_running_decodes_get_a_token_every_step_while_a_2000_token_prompt_prefil
             num_gpu_blocks=600,
         )
     )
-    decoders = [make_request(f"d{i}", 20 + 3 * i, max_tokens=400, seed=i) for i in range(6)]
-    for request in decoders:
-        core.add_request(request)
+    for i in range(6):
+        core.add_request(make_request(f"d{i}", 20 + 3 * i, max_tokens=400, seed=i))
+    decoders = [core.scheduler.requests[f"d{i}"] for i in range(6)]
     core.step()
     assert all(r.num_output_tokens == 1 for r in decoders)
 

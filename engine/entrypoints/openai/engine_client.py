@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tidegate.engine.core.request import Request
     from tidegate.engine.input_processor import InputProcessor
+    from tidegate.engine.messages import EngineCoreRequest
     from tidegate.engine.outputs import RequestOutput
     from tidegate.engine.tokenizer import Tokenizer
 
@@ -37,7 +37,9 @@ class EngineClient(Protocol):
     @property
     def dead_reason(self) -> str | None: ...
 
-    def generate(self, request: Request, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, request: EngineCoreRequest, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Submit a validated request; yield delta outputs until it finishes.
 
         The first `__anext__` raises EngineOverloadedError when the waiting queue is full; any

@@ -14,7 +14,6 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from tidegate.engine.core.request import Request
 from tidegate.engine.entrypoints.openai.async_iterators import (
     MergedIterators,
     aclose_all,
@@ -28,6 +27,7 @@ from tidegate.engine.kv_transfer.params import (
     RemoteDecode,
     parse_kv_transfer_params,
 )
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.sampling_params import SEED_RANGE, SamplingParams
 
@@ -40,7 +40,7 @@ class SubRequest:
     """One engine request of an API request."""
 
     index: int  # the choice index in the response
-    request: Request
+    request: EngineCoreRequest
     prompt: str | None  # the prompt text, when the client sent text
 
 
@@ -73,9 +73,12 @@ def build_sub_requests(
                 seed = (params.seed + choice) % SEED_RANGE
                 choice_params = dataclasses.replace(prompt_params, seed=seed)
             request = engine.input_processor.process(
-                f"{request_id}-{prompt_index}-{choice}", token_ids, choice_params, cache_salt
+                f"{request_id}-{prompt_index}-{choice}",
+                token_ids,
+                choice_params,
+                cache_salt,
+                kv_transfer,
             )
-            request.kv_transfer = kv_transfer
             text = prompt if isinstance(prompt, str) else None
             subs.append(SubRequest(prompt_index * n + choice, request, text))
     return subs

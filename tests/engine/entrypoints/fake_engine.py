@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import msgspec
 
-from tidegate.engine.core.request import Request
 from tidegate.engine.errors import EngineDeadError, EngineOverloadedError
 from tidegate.engine.input_processor import InputProcessor
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 
@@ -36,7 +36,7 @@ class FakeEngine:
         self.script_ids = tokenizer.encode(SCRIPT, add_special_tokens=False)
         self.cached_tokens = 0
         # What happened, for tests to check.
-        self.submitted: list[Request] = []
+        self.submitted: list[EngineCoreRequest] = []
         self.aborted: list[str] = []  # iterators closed or cancelled before they finished
         self.abort_calls: list[str] = []
         self.num_holding = 0
@@ -51,11 +51,11 @@ class FakeEngine:
         self.held_back_steps: set[int] = set()
 
     async def generate(
-        self, request: Request, prompt: str | None = None
+        self, request: EngineCoreRequest, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         self.submitted.append(request)
         # What AsyncLLM sends to the engine-core process must encode (64-bit integers only).
-        msgspec.msgpack.encode(request.sampling_params)
+        msgspec.msgpack.encode(request)
         try:
             if self.admit is not None and len(self.submitted) > self.admit:
                 raise EngineOverloadedError("the waiting queue is full", retry_after_s=7)
@@ -65,7 +65,9 @@ class FakeEngine:
             self.aborted.append(request.request_id)
             raise
 
-    async def _script(self, request: Request, prompt: str | None) -> AsyncIterator[RequestOutput]:
+    async def _script(
+        self, request: EngineCoreRequest, prompt: str | None
+    ) -> AsyncIterator[RequestOutput]:
         params = request.sampling_params
         ids = self.script_ids[: params.max_tokens]
         shown = 0

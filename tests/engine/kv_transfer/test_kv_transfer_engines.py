@@ -10,8 +10,7 @@ import pytest
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
-from tidegate.engine.core.request import Request
-from tidegate.engine.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
+from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -31,7 +30,9 @@ def engine_args(model: Path, **overrides) -> EngineArgs:
     return EngineArgs(**{**values, **overrides})
 
 
-def drive(engine: EngineCore, *requests: Request, deadline_s: float = 60.0) -> dict[str, dict]:
+def drive(
+    engine: EngineCore, *requests: EngineCoreRequest, deadline_s: float = 60.0
+) -> dict[str, dict]:
     """Run requests to the end; per request id its tokens and kv_transfer_params."""
     for request in requests:
         engine.add_request(request)
@@ -72,6 +73,15 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
+def core_request(
+    rid: str, prompt: list[int], params: SamplingParams, kv_transfer_params: dict | None = None
+) -> EngineCoreRequest:
+    """What an API server sends an engine core for this prompt."""
+    return EngineCoreRequest(
+        rid, prompt, params, [], time.monotonic(), kv_transfer_params=kv_transfer_params
+    )
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir: Path) -> Iterator[dict[str, EngineCore]]:
     built = {
@@ -86,14 +96,14 @@ def engines(tiny_llama_dir: Path) -> Iterator[dict[str, EngineCore]]:
 
 def prefill_remotely(producer: EngineCore, rid: str, prompt: list[int]) -> dict:
     """The producer leg: compute the prompt, return the params naming its pinned blocks."""
-    request = Request(rid, prompt, greedy(1), kv_transfer=RemoteDecode(do_remote_decode=True))
+    request = core_request(rid, prompt, greedy(1), {"do_remote_decode": True})
     params = drive(producer, request)[rid]["params"]
     assert params is not None and params["do_remote_prefill"]
     return params
 
 
 def decode_with(consumer: EngineCore, rid: str, prompt: list[int], params: dict, n: int = 24):
-    request = Request(rid, prompt, greedy(n), kv_transfer=parse_kv_transfer_params(params))
+    request = core_request(rid, prompt, greedy(n), params)
     return drive(consumer, request)[rid]["tokens"]
 
 
@@ -108,7 +118,7 @@ def make_prompt(length: int, offset: int = 0) -> list[int]:
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 33, 250, 1030])
 def test_consumer_output_equals_unified(engines: dict[str, EngineCore], length: int) -> None:
     prompt = make_prompt(length, offset=length)
-    expected = drive(engines["unified"], Request(f"u{length}", prompt, greedy(24)))
+    expected = drive(engines["unified"], core_request(f"u{length}", prompt, greedy(24)))
     params = prefill_remotely(engines["producer"], f"p{length}", prompt)
     before = engines["consumer"].stats()
     got = decode_with(engines["consumer"], f"c{length}", prompt, params)
@@ -137,7 +147,7 @@ def test_consumer_prefix_hits_are_not_pulled_again(engines: dict[str, EngineCore
     bytes_per_block = consumer.executor.worker.runner.kv_cache_bytes_per_block()
     # 96 shared tokens = 6 cached blocks; only the 7th (partial) block moves.
     assert pulled == bytes_per_block
-    expected = drive(engines["unified"], Request("u-second", second, greedy(24)))
+    expected = drive(engines["unified"], core_request("u-second", second, greedy(24)))
     params = prefill_remotely(engines["producer"], "p3", second)
     assert decode_with(consumer, "c-third", second, params) == expected["u-second"]["tokens"]
     wait_until(lambda: all_free(engines["producer"]), engines["producer"])
@@ -146,7 +156,7 @@ def test_consumer_prefix_hits_are_not_pulled_again(engines: dict[str, EngineCore
 def test_failed_pull_falls_back_to_computing_the_prompt(engines: dict[str, EngineCore]) -> None:
     consumer = engines["consumer"]
     prompt = make_prompt(70, offset=3)
-    expected = drive(engines["unified"], Request("u-fb", prompt, greedy(16)))["u-fb"]["tokens"]
+    expected = drive(engines["unified"], core_request("u-fb", prompt, greedy(16)))["u-fb"]["tokens"]
     params = prefill_remotely(engines["producer"], "p-fb", prompt)
     # The producer no longer serves this transfer (as after its timeout).
     engines["producer"].abort_requests(["p-fb"])
@@ -167,7 +177,7 @@ def test_a_different_prompt_is_never_read_from_the_producer(
     prompt = make_prompt(40, offset=9)
     params = prefill_remotely(engines["producer"], "p-other", prompt)
     other = [*prompt[:-1], prompt[-1] + 1]  # same length, last token differs
-    expected = drive(engines["unified"], Request("u-other", other, greedy(12)))
+    expected = drive(engines["unified"], core_request("u-other", other, greedy(12)))
     before = consumer.stats()
     assert decode_with(consumer, "c-other", other, params, n=12) == expected["u-other"]["tokens"]
     after = consumer.stats()
@@ -181,9 +191,7 @@ def test_abort_while_pulling_frees_both_sides(engines: dict[str, EngineCore]) ->
     consumer = engines["consumer"]
     prompt = make_prompt(300, offset=17)
     params = prefill_remotely(engines["producer"], "p-ab", prompt)
-    consumer.add_request(
-        Request("c-ab", prompt, greedy(8), kv_transfer=parse_kv_transfer_params(params))
-    )
+    consumer.add_request(core_request("c-ab", prompt, greedy(8), params))
     consumer.step()  # parks it and starts the pull
     assert consumer.stats()["num_pulling"] == 1
     consumer.abort_requests(["c-ab"])
@@ -192,7 +200,7 @@ def test_abort_while_pulling_frees_both_sides(engines: dict[str, EngineCore]) ->
     consumer.step()  # the workers drop the pull's result, whenever it arrives
     wait_until(lambda: all_free(engines["producer"]), engines["producer"])
     # A later request is untouched by the dropped pull.
-    expected = drive(engines["unified"], Request("u-after", prompt, greedy(8)))
+    expected = drive(engines["unified"], core_request("u-after", prompt, greedy(8)))
     params = prefill_remotely(engines["producer"], "p-after", prompt)
     assert decode_with(consumer, "c-after", prompt, params, n=8) == expected["u-after"]["tokens"]
     consumer.kv_cache_manager.check_invariants()
@@ -223,7 +231,7 @@ def test_a_dead_producer_is_noticed_at_once_and_the_prompt_computed_here(
         prompt = make_prompt(45, offset=1)
         params = prefill_remotely(producer, "p-dead", prompt)
         producer.shutdown()  # nobody listens on its ports any more
-        expected = drive(unified, Request("u-dead", prompt, greedy(10)))["u-dead"]["tokens"]
+        expected = drive(unified, core_request("u-dead", prompt, greedy(10)))["u-dead"]["tokens"]
         started = time.monotonic()
         assert decode_with(consumer, "c-dead", prompt, params, n=10) == expected
         # The refused connection fails the pull; nobody waits for the 30 s timeout.
@@ -251,7 +259,7 @@ def test_transfer_between_different_tensor_parallel_sizes(
     try:
         for length in (17, 130):
             prompt = make_prompt(length, offset=5)
-            expected = drive(unified, Request(f"u{length}", prompt, greedy(12)))
+            expected = drive(unified, core_request(f"u{length}", prompt, greedy(12)))
             params = prefill_remotely(producer, f"p{length}", prompt)
             assert len(params["remote_data_ports"]) == producer_tp
             got = decode_with(consumer, f"c{length}", prompt, params, n=12)
