@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -110,7 +111,9 @@ class EngineArgs(BaseModel):
     compile_cache_dir: str | None = Field(
         None,
         description="Directory for compiled artifacts (inductor's caches); one that survives "
-        "restarts makes the next start's compilation a cache load. Default: torch's, under /tmp.",
+        "restarts makes the next start's compilation a cache load. Default: "
+        "$TORCHINDUCTOR_CACHE_DIR if set, else one per torch build under "
+        "~/.cache/tidegate/inductor ($XDG_CACHE_HOME/tidegate/inductor).",
     )
     seed: int = Field(0, ge=0, description="Seed for requests that give none.")
     num_threads: int | None = Field(
@@ -147,6 +150,30 @@ class EngineArgs(BaseModel):
                 f"max_num_partial_prefills ({self.max_num_partial_prefills})"
             )
         return self
+
+
+@dataclass(frozen=True)
+class KVPorts:
+    """The TCP ports one engine core of a KV producer listens on."""
+
+    side_channel: int  # consumers' release notices
+    ranks: tuple[int, ...]  # tensor-parallel rank r serves cache blocks on ranks[r]
+
+    @property
+    def all(self) -> tuple[int, ...]:
+        """The side channel, then the ranks' ports."""
+        return (self.side_channel, *self.ranks)
+
+
+def kv_port_layout(
+    first_port: int, data_parallel_size_local: int, tensor_parallel_size: int
+) -> list[KVPorts]:
+    """A KV producer's ports from `first_port` on: per engine core, side channel then ranks."""
+    stride = tensor_parallel_size + 1
+    return [
+        KVPorts(side_channel=base, ranks=tuple(range(base + 1, base + stride)))
+        for base in range(first_port, first_port + data_parallel_size_local * stride, stride)
+    ]
 
 
 class TenancyArgs(BaseModel):

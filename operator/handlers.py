@@ -20,10 +20,11 @@ from typing import Any
 
 import kopf
 
-from tidegate.operator.kube import Kube, KubeError
-from tidegate.operator.reconcile import OWNED_KINDS, reconcile
-from tidegate.operator.render import MANAGED_BY, RenderOptions, owned_labels
-from tidegate.operator.spec import GROUP, PLURAL, VERSION
+from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
+from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, owned_labels
+from tidegate.operator.reconcile import reconcile
+from tidegate.operator.render import RenderOptions
+from tidegate.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.diffbase")
     settings.posting.level = logging.WARNING
-    settings.persistence.finalizer = "tidegate.dev/finalizer"
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
 
 
 def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegistry:
@@ -109,7 +110,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     async def reconcile_once(namespace: str, name: str, logger: Any, retry: int) -> None:
         assert state.kube is not None, "login handler did not run"
         # Read afresh: the body of a queued event may be stale.
-        latest = await state.kube.get(f"{GROUP}/{VERSION}", "LLMDeployment", namespace, name)
+        latest = await state.kube.get(API_VERSION, KIND, namespace, name)
         if latest is None or latest.get("metadata", {}).get("deletionTimestamp"):
             return
         try:
@@ -143,7 +144,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             group,
             version,
             kind,
-            labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+            labels={MANAGED_BY_LABEL: MANAGED_BY},
             registry=registry,
             id=f"child-{kind.lower()}",
         )(child_changed)
@@ -166,7 +167,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
 
 def _owner_name(body: kopf.Body) -> str | None:
     for ref in body["metadata"].get("ownerReferences") or []:
-        if ref.get("kind") == "LLMDeployment" and ref.get("controller"):
+        if ref.get("kind") == KIND and ref.get("controller"):
             return ref.get("name")
     return None
 

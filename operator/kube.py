@@ -13,19 +13,23 @@ from typing import Any
 import aiohttp
 import kopf
 
+from tidegate.operator.spec import API_VERSION, KIND, PLURAL
+
 FIELD_MANAGER = "tidegate-operator"
 # How long a replaced connection stays open for the calls already using it.
 _OLD_SESSION_GRACE_S = 60.0
 
-# kind -> (API path prefix, plural) for every kind the operator reads or writes.
-KINDS: dict[tuple[str, str], str] = {
+# (apiVersion, kind) -> plural of every kind the operator owns: it renders, applies, watches
+# and deletes objects of these kinds.
+OWNED_KINDS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("tidegate.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
 }
+# ... and of every kind it reads or writes: those, and the LLMDeployment itself.
+KINDS: dict[tuple[str, str], str] = {**OWNED_KINDS, (API_VERSION, KIND): PLURAL}
 
 
 class KubeError(Exception):

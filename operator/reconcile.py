@@ -11,19 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidegate.operator.kube import Kube, KubeError
-from tidegate.operator.render import RenderOptions, owned_labels, render
+from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
+from tidegate.operator.labels import COMPONENT_LABEL, owned_labels
+from tidegate.operator.render import RenderOptions, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
 from tidegate.operator.tuning import TuningError
 
-OWNED_KINDS = (
-    ("v1", "ConfigMap"),
-    ("v1", "Service"),
-    ("apps/v1", "Deployment"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-)
 # Status keys kopf keeps for itself; we neither compare nor overwrite them.
 KOPF_STATUS_KEY = "kopf"
 
@@ -104,7 +98,7 @@ async def reconcile(
             live = {}
         roles = [
             role_state(
-                obj["metadata"]["labels"]["app.kubernetes.io/component"],
+                obj["metadata"]["labels"][COMPONENT_LABEL],
                 obj["spec"]["replicas"],
                 live.get(_key(obj)),
             )
@@ -187,7 +181,7 @@ async def _live_roles(kube: Kube, namespace: str, name: str) -> list[RoleState]:
     deployments = await kube.list("apps/v1", "Deployment", namespace, labels)
     return [
         role_state(
-            d["metadata"]["labels"]["app.kubernetes.io/component"],
+            d["metadata"]["labels"][COMPONENT_LABEL],
             (d.get("spec") or {}).get("replicas", 1),
             d,
         )

@@ -23,9 +23,11 @@ from typing import Any
 
 import yaml
 
-from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
+from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs, kv_port_layout
+from tidegate.operator.labels import child_labels, selector_labels
 from tidegate.operator.spec import (
     API_VERSION,
+    GROUP,
     KIND,
     LLMDeploymentSpec,
     SecretKeyRef,
@@ -41,8 +43,7 @@ CONFIG_DIR = "/etc/tidegate"
 SECRET_DIR = "/var/run/secrets/tidegate"
 API_KEY_FILE = f"{SECRET_DIR}/api-key"
 MODEL_DIR = "/model"
-SPEC_HASH = "tidegate.dev/spec-hash"
-MANAGED_BY = "tidegate-operator"
+SPEC_HASH = f"{GROUP}/spec-hash"
 # SIGTERM drains in-flight requests for this long (tidegate serve --shutdown-timeout) ...
 SHUTDOWN_TIMEOUT_S = 30
 # ... and the kubelet must wait longer than that before it sends SIGKILL.
@@ -121,29 +122,6 @@ def endpoint_of(resource: dict[str, Any]) -> str:
     meta = resource["metadata"]
     port = ((resource.get("spec") or {}).get("service") or {}).get("port", ENGINE_PORT)
     return f"http://{meta['name']}.{meta.get('namespace') or 'default'}.svc:{port}/v1"
-
-
-def selector_labels(name: str, component: str) -> dict[str, str]:
-    """Labels that pick one role's pods; never changes over a resource's life."""
-    return {
-        "app.kubernetes.io/name": "tidegate",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": component,
-    }
-
-
-def child_labels(name: str, component: str) -> dict[str, str]:
-    """Labels on every object the operator owns."""
-    return {
-        **selector_labels(name, component),
-        "app.kubernetes.io/part-of": "tidegate",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-    }
-
-
-def owned_labels(name: str) -> dict[str, str]:
-    """Labels that find every object the operator made for the resource `name`."""
-    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/managed-by": MANAGED_BY}
 
 
 def _owner_reference(meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -237,11 +215,16 @@ def _config_text(title: str, values: dict[str, Any], reasons: dict[str, str]) ->
 
 
 def kv_ports(tuning: RoleTuning) -> list[dict[str, Any]]:
-    """A producer's KV ports: per engine core, its side channel, then one per TP rank."""
-    first = EngineArgs.model_fields["kv_port"].default
-    count = tuning.data_parallel_size_local.value * (tuning.tensor_parallel_size.value + 1)
+    """A producer's KV containerPorts: per engine core, its side channel, then one per TP rank."""
+    layout = kv_port_layout(
+        EngineArgs.model_fields["kv_port"].default,
+        int(tuning.data_parallel_size_local.value),
+        int(tuning.tensor_parallel_size.value),
+    )
+    ports = [port for core in layout for port in core.all]
     return [
-        {"name": "kv" if k == 0 else f"kv-{k}", "containerPort": first + k} for k in range(count)
+        {"name": "kv" if k == 0 else f"kv-{k}", "containerPort": port}
+        for k, port in enumerate(ports)
     ]
 
 

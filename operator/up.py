@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from typing import Any, TextIO
 from tidegate.common.cpus import available_cpus
 from tidegate.common.local_server import LocalServer, free_port, tidegate_command
 from tidegate.engine.config import API_KEY_ENV
+from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
     API_KEY_FILE,
@@ -51,7 +53,6 @@ logger = logging.getLogger("tidegate.up")
 BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 # Roles started first (their URLs are the router's arguments); the router last.
 START_ORDER = ("unified", "prefill", "decode", "router")
-ROLE_LABEL = "app.kubernetes.io/component"
 
 
 @dataclass
@@ -137,11 +138,11 @@ def plan_pods(
         (config_dir / key).write_text(text.replace(SECRET_DIR, str(secret_dir)))
     deployments = sorted(
         (o for o in rendered.objects if o["kind"] == "Deployment"),
-        key=lambda o: START_ORDER.index(o["metadata"]["labels"][ROLE_LABEL]),
+        key=lambda o: START_ORDER.index(o["metadata"]["labels"][COMPONENT_LABEL]),
     )
     pods: list[LocalPod] = []
     for deployment in deployments:
-        role = deployment["metadata"]["labels"][ROLE_LABEL]
+        role = deployment["metadata"]["labels"][COMPONENT_LABEL]
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         for index in range(deployment["spec"]["replicas"]):
             args = [a.replace(CONFIG_DIR, str(config_dir)) for a in container["args"]]
@@ -211,12 +212,17 @@ def _assign_ports_and_flags(
 
 @functools.cache
 def _cuda_available() -> bool:
-    try:
-        import torch
+    """Whether the engine's interpreter sees a CUDA device.
 
-        return torch.cuda.is_available()
-    except ImportError:
+    Asked in a child process: the operator's own process never imports torch (an import
+    contract holds it to that), and the engine pods run in that interpreter anyway.
+    """
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    return done.returncode == 0
 
 
 def resolve_model_dir(resource: dict[str, Any], given: Path | None) -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tidegate.engine.config import EngineArgs
+from tidegate.engine.config import EngineArgs, KVPorts, kv_port_layout
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
 from tidegate.engine.kv_transfer.params import RemotePrefill
 from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
@@ -54,9 +54,11 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self.tp_size = args.tensor_parallel_size
         self.host = advertised_host(args.kv_host)
         self.engine_id = f"{socket.gethostname()}-{os.getpid()}-{engine_index}"
-        # Engine core i of a pod takes ports base .. base+tp: its side channel, then a data
-        # port per rank. kv_port 0 lets every socket pick a free port.
-        base = args.kv_port + engine_index * (self.tp_size + 1) if args.kv_port else 0
+        # kv_port 0 lets every socket pick a free port.
+        ports = KVPorts(side_channel=0, ranks=(0,) * self.tp_size)
+        if args.kv_port:
+            layout = kv_port_layout(args.kv_port, args.data_parallel_size_local, self.tp_size)
+            ports = layout[engine_index]
         self._ctx = zmq.Context()
         self.events_address = f"ipc://@tidegate-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._events = self._ctx.socket(zmq.PULL)
@@ -65,8 +67,9 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self.side_port = 0
         if self.role == "producer":
             self._side = self._ctx.socket(zmq.ROUTER)
-            self.side_port = bind_tcp(self._side, base)
-        self._data_port_base = base + 1 if base else 0
+            self.side_port = bind_tcp(self._side, ports.side_channel)
+        # Rank r of this engine core binds the first rank's port + r (KVWorkerConfig.data_port).
+        self._data_port_base = ports.ranks[0]
         self.data_ports: list[int] = []
         # The engine core's threads wake the connector's through it.
         self._waker = Waker(self._ctx, "kv-wake")

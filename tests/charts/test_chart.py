@@ -34,10 +34,10 @@ import yaml
 
 from tidegate.cli import build_parser
 from tidegate.operator import handlers as operator_handlers
-from tidegate.operator.kube import KINDS, Kube
+from tidegate.operator.kube import KINDS, OWNED_KINDS, Kube
+from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, PART_OF_LABEL
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.reconcile import OWNED_KINDS
-from tidegate.operator.render import DEFAULT_ENGINE_IMAGE, MANAGED_BY, render
+from tidegate.operator.render import DEFAULT_ENGINE_IMAGE, render
 from tidegate.operator.spec import API_VERSION, KIND
 from tidegate.operator.status import RoleState, compute_status
 
@@ -426,7 +426,7 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
         await reconcile_resource(body=example, logger=logger)
         for key, child in kube.objects.items():
             if key != path:
-                child["metadata"]["labels"]["app.kubernetes.io/part-of"] = "edited"
+                child["metadata"]["labels"][PART_OF_LABEL] = "edited"
         await reconcile_resource(body=example, logger=logger)
         await delete_children(body=kube.objects.pop(path), logger=logger)
 
@@ -638,7 +638,7 @@ def test_service_monitor_scrapes_each_engine_pod_once(chart: helm.Chart) -> None
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["metadata"]["labels"]["release"] == "kps"
     selector = monitor["spec"]["selector"]["matchLabels"]
-    assert selector["app.kubernetes.io/managed-by"] == MANAGED_BY
+    assert selector[MANAGED_BY_LABEL] == MANAGED_BY
     engines = engine_objects()
     services = [
         s for s in by_kind(engines, "Service") if matches(selector, s["metadata"]["labels"])

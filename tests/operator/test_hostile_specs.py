@@ -33,6 +33,7 @@ from tests.operator.crd_validation import CRDValidator, load_crd, version_schema
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.operator.handlers import OperatorOptions, build_registry
 from tidegate.operator.kube import KINDS
+from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.reconcile import refusal
 from tidegate.operator.render import Rendered, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
@@ -462,7 +463,7 @@ def test_no_container_of_any_role_runs_a_shell() -> None:
         for obj in rendered.objects:
             if obj["kind"] != "Deployment":
                 continue
-            role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            role = obj["metadata"]["labels"][COMPONENT_LABEL]
             pod = obj["spec"]["template"]["spec"]
             for container in [*pod.get("initContainers", []), *pod["containers"]]:
                 seen.add(f"{role}/{container['name']}")

@@ -20,6 +20,7 @@ from kopf.testing import KopfRunner
 from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
 from tidegate.operator.handlers import build_registry
 from tidegate.operator.kube import KINDS
+from tidegate.operator.labels import COMPONENT_LABEL
 
 LLMD = "tidegate.dev/v1alpha1"
 API_VERSION_OF = {kind: api_version for api_version, kind in KINDS}
@@ -162,9 +163,7 @@ def test_unified_resource_gets_its_children_and_status(
     deployment = wait_for(lambda: get(cluster, "Deployment", "uni"), what="the Deployment")
     assert wait_for(lambda: get(cluster, "PodDisruptionBudget", "uni"), what="the PDB")
     service = get(cluster, "Service", "uni")
-    assert service is not None and service["spec"]["selector"]["app.kubernetes.io/component"] == (
-        "unified"
-    )
+    assert service is not None and service["spec"]["selector"][COMPONENT_LABEL] == ("unified")
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["args"] == ["serve", "--config", "/etc/tidegate/unified.yaml"]
     config = config_of(cluster, "uni", "unified")
@@ -223,7 +222,7 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
         wait_for(lambda name=name: get(cluster, "PodDisruptionBudget", name), what=f"{name} PDB")
     assert get(cluster, "Deployment", "pd-decode")["spec"]["replicas"] == 2  # type: ignore[index]
     public = wait_for(lambda: get(cluster, "Service", "pd"), what="the public Service")
-    assert public["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    assert public["spec"]["selector"][COMPONENT_LABEL] == "router"
     for role in ("prefill", "decode"):
         headless = wait_for(lambda role=role: get(cluster, "Service", f"pd-{role}"), what=role)
         assert headless["spec"]["clusterIP"] == "None"
@@ -236,12 +235,10 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
     # The prefill pods' KV ports are open to this resource's decode pods only.
     policy = wait_for(lambda: get(cluster, "NetworkPolicy", "pd-kv"), what="the KV policy")
     assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-pd"
-    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
-        "prefill"
-    )
+    assert policy["spec"]["podSelector"]["matchLabels"][COMPONENT_LABEL] == ("prefill")
     (_, kv_rule) = policy["spec"]["ingress"]
     (peer,) = kv_rule["from"]
-    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    assert peer["podSelector"]["matchLabels"][COMPONENT_LABEL] == "decode"
     wanted_ingress = policy["spec"]["ingress"]
     # Someone opens the KV ports to everyone: the operator closes them again.
     cluster.patch("networking.k8s.io/v1", "NetworkPolicy", "pd-kv", {"spec": {"ingress": [{}]}})
@@ -472,7 +469,7 @@ def test_switching_mode_removes_what_the_other_mode_wanted(
     wait_for(lambda: get(cluster, "PodDisruptionBudget", "switch") is None, what="its PDB removed")
     public = get(cluster, "Service", "switch")
     assert public is not None
-    assert public["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    assert public["spec"]["selector"][COMPONENT_LABEL] == "router"
     assert wait_for(lambda: get(cluster, "NetworkPolicy", "switch-kv"), what="the KV policy")
 
     # And back: the split pools, their Services, PDBs and the KV policy go.
@@ -488,10 +485,7 @@ def test_switching_mode_removes_what_the_other_mode_wanted(
         wait_for(lambda kind=kind, name=name: get(cluster, kind, name) is None, what=name)
     wait_for(lambda: get(cluster, "Deployment", "switch"), what="the unified pool back")
     wait_for(
-        lambda: (
-            get(cluster, "Service", "switch")["spec"]["selector"]["app.kubernetes.io/component"]
-            == "unified"
-        ),
+        lambda: get(cluster, "Service", "switch")["spec"]["selector"][COMPONENT_LABEL] == "unified",
         what="the public Service on the unified pool",
     )
 

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from tests.operator.apiserver_validation import apiserver_refusals
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
+from tidegate.operator.kube import OWNED_KINDS
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.reconcile import OWNED_KINDS
 from tidegate.operator.render import (
     DEFAULT_ENGINE_IMAGE,
     SPEC_HASH,

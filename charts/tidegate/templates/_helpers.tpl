@@ -58,7 +58,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-The label the operator puts on every object it creates (operator/render.py, MANAGED_BY):
+The label the operator puts on every object it creates (operator/labels.py, MANAGED_BY):
 the monitors select engine Services and pods by it.
 */}}
 {{- define "tidegate.engineManagedBy" -}}
