@@ -1,4 +1,5 @@
-"""Fixtures shared by all tests: tiny random-weight models written once per session."""
+"""Fixtures shared by all tests (tiny random-weight models written once per session), and the
+marks that decide what `make test-quick` runs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,60 @@ from pathlib import Path
 import pytest
 
 from tidegate.engine.tiny_model import make_tiny_model
+from tidegate.engine.worker.compilation import configure_inductor
 
 # Engines the tests start (here and in the servers they spawn) run eager unless a test asks
 # for a level: compiling each one would cost the suite 6-35 s per engine. The compiled paths
 # have their own tests (tests/engine/test_compilation.py, test_cuda_graphs.py).
 os.environ.setdefault("TIDEGATE_COMPILATION_LEVEL", "0")
+
+# `make test-quick` runs -m "not e2e and not model and not slow": the units, for iteration.
+# The marks are given here from where a test lives and what it uses, so that a new test is
+# classified without anyone remembering to mark it: under tests/e2e/ or in a *_e2e.py module,
+# e2e; asking for a model folder (as an argument, or as the parameter a test hands to
+# request.getfixturevalue), model.
+MODEL_FIXTURES = frozenset({"tiny_llama_dir", "tiny_qwen2_dir"})
+# Modules elsewhere whose tests start servers, engines or commands in processes of their own.
+STARTS_PROCESSES = frozenset(
+    {
+        "tests/test_cli.py",
+        "tests/engine/test_http_server.py",
+        "tests/engine/test_malloc.py",
+        "tests/engine/test_tensor_parallel.py",
+        "tests/operator/test_operator_cli.py",
+        "tests/router/test_router_cli.py",
+    }
+)
+# Units too heavy to iterate with: kernels in Triton's interpreter on CPU (40 s on 2 cores),
+# checkov's scans (once make test has installed it).
+SLOW_MODULES = frozenset(
+    {"tests/engine/test_triton_attention.py", "tests/operator/test_pod_security.py"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark e2e, model and slow tests by the rules above."""
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        if path.startswith("tests/e2e/") or path.endswith("_e2e.py") or path in STARTS_PROCESSES:
+            item.add_marker(pytest.mark.e2e)
+        if path in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec else ()
+        asked = set(getattr(item, "fixturenames", ())) | {p for p in params if isinstance(p, str)}
+        if asked & MODEL_FIXTURES:
+            item.add_marker(pytest.mark.model)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def inductor_settings() -> str:
+    """Whatever compiles in a test, here or in a process it starts, does so with the engine's
+    settings: its own cache directory, not the machine-wide one where another torch install
+    may have left precompiled headers that break ours."""
+    # A fixture, not an import-time call: it imports triton, which must come after the test
+    # modules that set TRITON_INTERPRET have been collected.
+    return configure_inductor()
 
 
 @pytest.fixture(scope="session")

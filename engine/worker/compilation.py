@@ -11,7 +11,9 @@ Levels (`--compilation-level`, vLLM's numbering):
 - 2: level 1 plus CUDA graphs for decode-only steps (cuda_graphs.py), on CUDA with an
   attention backend that reads no host copies of the step's metadata (Triton).
 
-Compiled artifacts are cached by inductor on disk (its FX graph and AOT autograd caches);
+Compiled artifacts are cached by inductor on disk (its FX graph and AOT autograd caches), in
+a directory of Tidegate's own per torch build (configure_inductor), never the machine-wide
+/tmp/torchinductor_<user> that every torch install on the machine writes to.
 `--compile-cache-dir` points them at a directory that survives restarts (a volume in a pod),
 which turns the second start's compilation into cache loads.
 """
@@ -19,6 +21,7 @@ which turns the second start's compilation into cache loads.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import os
 import time
@@ -36,8 +39,8 @@ logger = logging.getLogger(__name__)
 # `make bench-compile` (fresh processes, alternating; bf16, linears packed in both): median
 # 1.07x on the tiny model, 1.05x on the small one (benchmarks/results/compile.json; an
 # earlier run without packing: 1.19x and 1.09x, 9 of 10). It costs compilation at start-up:
-# 25-45 s on a cold cache, 7-13 s with a warm one (--compile-cache-dir; inductor's default
-# is under /tmp).
+# 25-45 s on a cold cache, 7-13 s with a warm one (Tidegate's default cache is under
+# ~/.cache; --compile-cache-dir puts it on a volume).
 CPU_DEFAULT_LEVEL = 1
 # On CUDA, graphs for decode (vLLM's default too); level 1 where the backend can't be captured.
 CUDA_DEFAULT_LEVEL = 2
@@ -47,6 +50,8 @@ LEVEL_ENV = "TIDEGATE_COMPILATION_LEVEL"
 RECOMPILE_LIMIT = 64
 # Decode batches above this run without graphs (vLLM's default largest capture size too).
 MAX_CAPTURE_SIZE = 512
+# Where inductor reads its cache directory from (and where users name one).
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def resolve_compilation_level(
@@ -96,26 +101,82 @@ def _level_from_env(value: str) -> int:
     return int(value)
 
 
-def use_compile_cache(directory: str) -> None:
-    """Keep inductor's compiled artifacts (and Triton's kernels) under `directory`."""
+def configure_inductor(cache_dir: str | None = None) -> str:
+    """Apply the inductor settings of every Tidegate compile; returns the cache directory.
+
+    ModelCompiler calls it, and so do the tests: call it before anything compiles.
+    """
+    directory = resolve_cache_dir(cache_dir)
     os.makedirs(directory, exist_ok=True)
     # Read by inductor and Triton each time they look up the cache, so setting them before
-    # the first compile is enough.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(os.path.abspath(directory), "triton")
+    # the first compile is enough; worker processes spawned later inherit them.
+    os.environ[CACHE_DIR_ENV] = directory
+    if cache_dir is not None:
+        # Triton's kernels too, so that a volume keeps them across restarts.
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(directory, "triton")
+    # Inductor's precompiled C++ headers live in the machine-wide default directory whatever
+    # the cache directory (torch._inductor.codecache._HEADER_DIR), shared by every torch
+    # install on the machine: one that another install had built was reused here, and every
+    # CPU kernel then failed to compile ("at::vec has not been declared"). Without them a
+    # cold compile took no longer on 2 cores (about 20 s for the tiny model).
+    torch._inductor.config.cpp_cache_precompile_headers = False
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
+    return directory
+
+
+def resolve_cache_dir(cache_dir: str | None = None, environ: Mapping[str, str] = os.environ) -> str:
+    """The compile cache: `cache_dir` (the flag), else $TORCHINDUCTOR_CACHE_DIR if the user
+    set it, else default_cache_dir()."""
+    if cache_dir is not None:
+        return os.path.abspath(cache_dir)
+    given = environ.get(CACHE_DIR_ENV, "")
+    # Importing torch._dynamo resolves inductor's machine-wide default and writes it into the
+    # environment: that value is torch's choice, not the user's.
+    if given and os.path.abspath(given) != inductor_default_cache_dir():
+        return os.path.abspath(given)
+    return default_cache_dir(environ)
+
+
+def default_cache_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Tidegate's cache for this torch build: $XDG_CACHE_HOME/tidegate/inductor/<build>, where
+    $XDG_CACHE_HOME defaults to ~/.cache."""
+    base = environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec ignores a relative one
+        base = os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidegate", "inductor", torch_build_key())
+
+
+def torch_build_key() -> str:
+    """Names this torch build: version, commit and where it is installed.
+
+    Two installs of one version differ in the headers their kernels include, and in the flags
+    they were built with (vLLM's CPU build compiles its own).
+    """
+    commit = (torch.version.git_version or "unknown")[:12]
+    where = hashlib.sha256(os.path.dirname(torch.__file__).encode()).hexdigest()[:8]
+    return f"torch-{torch.__version__}-{commit}-{where}"
+
+
+def inductor_default_cache_dir() -> str:
+    """The machine-wide directory inductor uses when nobody names one: /tmp/torchinductor_<user>."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    return os.path.abspath(inductor_default())
 
 
 class ModelCompiler:
     """Compiles a module in place with inductor and counts the graphs it compiles."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: str | None = None) -> None:
+        # --compile-cache-dir; None: configure_inductor's choice.
+        self.cache_dir = cache_dir
         # Every call of the backend is one graph compiled (a first compile or a recompile).
         self.num_graphs = 0
 
     def compile(self, module: nn.Module) -> None:
         """torch.compile `module`'s forward with a dynamic token dimension."""
+        configure_inductor(self.cache_dir)
         # Dynamo keeps one cache per code object: every engine in a process adds its two
         # graphs to the one of LlamaModel.forward (each compiler's backend is its own). Past
         # the per-frame limit (8: four engines) dynamo would run the model eagerly without a
@@ -124,11 +185,6 @@ class ModelCompiler:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.fail_on_recompile_limit_hit = True
-        # Inductor's precompiled C++ headers are shared by every compile on the machine under
-        # its cache directory, and one built for other CPU-ISA settings was reused here: every
-        # CPU kernel then failed to compile ("at::vec has not been declared"). Without them a
-        # cold compile took no longer on 2 cores (about 20 s for the tiny model).
-        torch._inductor.config.cpp_cache_precompile_headers = False
         module.compile(backend=self._backend, dynamic=True)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:

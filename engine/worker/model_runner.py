@@ -63,10 +63,8 @@ class ModelRunner:
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe
         )
-        self.compiler = compilation.ModelCompiler()
+        self.compiler = compilation.ModelCompiler(args.compile_cache_dir)
         if self.compilation_level >= 1:
-            if args.compile_cache_dir is not None:
-                compilation.use_compile_cache(args.compile_cache_dir)
             # The decoder stack only: the LM head and the sampler run on few rows.
             self.compiler.compile(self.model.model)
         self.sampler = Sampler()

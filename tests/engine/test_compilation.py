@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +22,13 @@ from tidegate.engine.worker.compilation import (
     MAX_CAPTURE_SIZE,
     ModelCompiler,
     capture_sizes,
+    default_cache_dir,
+    inductor_default_cache_dir,
     is_decode_only,
     padded_size,
+    resolve_cache_dir,
     resolve_compilation_level,
+    torch_build_key,
 )
 
 # Small steps force chunked prompts and steps that mix prefill chunks with decodes.
@@ -222,7 +230,7 @@ def test_many_engines_in_one_process_all_stay_compiled():
             counts.append(compiler.num_graphs)
     assert counts == [2] * 6
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # never silently eager
-    assert not torch._inductor.config.cpp_cache_precompile_headers  # see ModelCompiler.compile
+    assert not torch._inductor.config.cpp_cache_precompile_headers  # see configure_inductor
 
 
 def test_a_default_level_that_fails_to_compile_runs_eager_an_asked_for_one_fails(
@@ -245,3 +253,132 @@ def test_a_default_level_that_fails_to_compile_runs_eager_an_asked_for_one_fails
     assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 3
     with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
         LLM(model=str(tiny_llama_dir), max_model_len=512, compilation_level=1)
+
+
+def test_the_compile_cache_is_the_flag_else_the_users_variable_else_one_per_torch_build():
+    home = {"HOME": "/home/u"}
+    own = f"/home/u/.cache/tidegate/inductor/{torch_build_key()}"
+    assert default_cache_dir(home) == own
+    assert default_cache_dir({**home, "XDG_CACHE_HOME": "/xdg"}).startswith("/xdg/tidegate/")
+    assert default_cache_dir({**home, "XDG_CACHE_HOME": "rel"}) == own  # XDG ignores relative
+    assert resolve_cache_dir(None, home) == own
+    assert resolve_cache_dir(None, {**home, "TORCHINDUCTOR_CACHE_DIR": "/mine"}) == "/mine"
+    assert resolve_cache_dir("/flag", {**home, "TORCHINDUCTOR_CACHE_DIR": "/mine"}) == "/flag"
+    # Importing torch._dynamo writes inductor's machine-wide default into the environment:
+    # that is not the user's choice, and the machine-wide directory is what we stay out of.
+    written_by_torch = {**home, "TORCHINDUCTOR_CACHE_DIR": inductor_default_cache_dir()}
+    assert resolve_cache_dir(None, written_by_torch) == own
+    key = torch_build_key()
+    assert torch.__version__ in key and (torch.version.git_version or "unknown")[:12] in key
+
+
+# Run in a process of its own whose temporary directory and user name put inductor's
+# machine-wide cache under the test's folder: it poisons that cache, then compiles through
+# ModelCompiler. Prints what inductor would have used, what it used, and the results.
+POISONED_CACHE_CHILD = """
+import json, os, sys
+from pathlib import Path
+
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+machine_wide = Path(default_cache_dir())
+if not machine_wide.is_relative_to(sys.argv[1]):
+    sys.exit(f"inductor's default {machine_wide} is outside the sandbox: not poisoning it")
+headers = machine_wide / "precompiled_headers"
+headers.mkdir(parents=True, exist_ok=True)
+# Another torch's header and a precompiled one that is garbage; lock directories that are
+# files (a compile without our settings fails on them: FileExistsError); garbage where
+# inductor keeps kernels and FX graphs.
+(headers / "cpp_prefix.h").write_text("#error precompiled by another torch\\n")
+(headers / "cpp_prefix.h.gch").write_bytes(os.urandom(4096))
+(headers / "locks").write_text("not a directory")
+(machine_wide / "locks").write_text("not a directory")
+for name in ("fxgraph/zz/garbage", "zz/czzgarbage.so", "aotautograd/garbage"):
+    (machine_wide / name).parent.mkdir(parents=True, exist_ok=True)
+    (machine_wide / name).write_bytes(os.urandom(512))
+
+
+def snapshot():
+    return sorted((str(p), p.read_bytes() if p.is_file() else b"")
+                  for p in machine_wide.rglob("*"))
+
+
+poisoned = snapshot()
+import torch
+from torch._inductor import codecache, config
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from tidegate.engine.worker.compilation import ModelCompiler
+
+would_have = {
+    "cache_dir": cache_dir(),
+    "header_dir": codecache._HEADER_DIR,
+    "precompiles_headers": config.cpp_cache_precompile_headers,
+}
+
+
+class Toy(torch.nn.Module):  # dynamo skips frames in torch's own files, nn.Sequential's too
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sin(torch.relu(self.linear(x))) * 2  # a C++ kernel around the matmul
+
+
+module = Toy()
+x = torch.linspace(-3, 3, 5 * 8).reshape(5, 8)
+with torch.inference_mode():
+    want = module(x)
+    compiler = ModelCompiler()
+    compiler.compile(module)
+    got = module(x)
+print(json.dumps({
+    "machine_wide": str(machine_wide),
+    "would_have": would_have,
+    "used": cache_dir(),
+    "precompiles_headers": config.cpp_cache_precompile_headers,
+    "graphs": compiler.num_graphs,
+    "max_error": (got - want).abs().max().item(),
+    "kernels": [str(p) for p in Path(cache_dir()).rglob("*.so")],
+    "untouched": snapshot() == poisoned,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_poisoned_machine_wide_inductor_cache_does_not_reach_our_compiles(tmp_path: Path):
+    """What broke `make test` on a machine where vLLM's CPU build had compiled before: its
+    precompiled headers in /tmp/torchinductor_<user>, reused by our kernels."""
+    sandbox = tmp_path / "tmp"
+    sandbox.mkdir()
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")
+    }
+    env.update(TMPDIR=str(sandbox), LOGNAME="poisoned", USER="poisoned", HOME=str(tmp_path))
+    child = subprocess.run(
+        [sys.executable, "-c", POISONED_CACHE_CHILD, str(sandbox)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    report = json.loads(child.stdout.splitlines()[-1])
+    machine_wide = str(sandbox / "torchinductor_poisoned")
+    assert report["machine_wide"] == machine_wide
+    # Left alone, inductor would have cached there and precompiled its headers there.
+    assert report["would_have"] == {
+        "cache_dir": machine_wide,
+        "header_dir": f"{machine_wide}/precompiled_headers",
+        "precompiles_headers": True,
+    }
+    # Through our settings it used Tidegate's directory, and never wrote to the poisoned one.
+    ours = str(tmp_path / ".cache" / "tidegate" / "inductor" / torch_build_key())
+    assert report["used"] == ours
+    assert not report["precompiles_headers"]
+    assert report["untouched"]
+    assert report["kernels"] and all(k.startswith(ours + "/") for k in report["kernels"])
+    assert report["graphs"] == 1 and report["max_error"] < 1e-5
