@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
-.PHONY: test demo lint format bench bench-throughput bench-startup bench-prefill-stall \
+.PHONY: test test-quick demo lint format bench bench-throughput bench-startup bench-prefill-stall \
 	bench-shared-prefix bench-disaggregated bench-attention bench-compile bench-peers clean
 
 $(STAMP): pyproject.toml
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# The pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[engine,operator,test,bench]'
 	touch $(STAMP)
 
 # checkov pins versions (packaging, jsonschema, ...) that clash with ours: its own venv.
@@ -22,10 +22,18 @@ $(CHECKOV):
 	$(PYTHON) -m venv .cache/tools/checkov
 	.cache/tools/checkov/bin/pip install --quiet checkov==3.3.30
 
+# The whole suite, as CI runs it: lint, format, import layers, then every test.
 test: $(STAMP) $(CHECKOV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
+
+# The units only, to iterate with (about a minute on 2 cores): no model, no server, no other
+# process, nothing slow. tests/conftest.py gives the marks it leaves out; the slowest five
+# tests are listed, so that one that grew is seen.
+test-quick: $(STAMP)
+	$(BIN)/pytest -q -m "not e2e and not model and not slow" --durations=5
 
 $(DEMO_MODEL)/config.json: $(STAMP)
 	$(BIN)/tidegate make-tiny-model $(DEMO_MODEL) --arch llama --size tiny

@@ -3,7 +3,9 @@
 It knows each subcommand's name, one-line help and the module that defines it, and imports
 that module only when the subcommand runs. `tidegate --help` imports no part of Tidegate;
 `tidegate serve` imports the engine's command module and, when it runs, the API server, but
-never the operator or the benchmark client; `tidegate operator` never imports torch.
+never the operator or the benchmark client; `tidegate operator` never imports torch. Each
+subcommand names the extras of pyproject.toml it needs, and one run without them ends with a
+line that says which to install.
 """
 
 from __future__ import annotations
@@ -18,24 +20,33 @@ from typing import Any, NamedTuple
 class Command(NamedTuple):
     module: str  # defines COMMANDS[name](parser, config), and CONFIG_MODELS if --config applies
     help: str
+    extras: tuple[str, ...] = ()  # pyproject's extras it imports beyond the base install
 
 
 _ENGINE = "tidegate.engine.entrypoints.cli"
 _OPERATOR = "tidegate.operator.cli"
 
 COMMANDS: dict[str, Command] = {
-    "make-tiny-model": Command(_ENGINE, "write a random-weight model folder for tests"),
-    "generate": Command(_ENGINE, "generate text offline from prompts"),
-    "serve": Command(_ENGINE, "serve the OpenAI-compatible API"),
-    "router": Command(
-        "tidegate.engine.router.cli", "route requests to prefill and decode instances"
+    "make-tiny-model": Command(
+        _ENGINE, "write a random-weight model folder for tests", ("engine",)
     ),
-    "bench": Command("tidegate.engine.bench.cli", "benchmarks"),
+    "generate": Command(_ENGINE, "generate text offline from prompts", ("engine",)),
+    "serve": Command(_ENGINE, "serve the OpenAI-compatible API", ("engine",)),
+    "router": Command(
+        "tidegate.engine.router.cli",
+        "route requests to prefill and decode instances",
+        ("engine",),
+    ),
+    "bench": Command("tidegate.engine.bench.cli", "benchmarks", ("bench", "engine")),
     "fetch-model": Command(_ENGINE, "put a model folder in place (init containers)"),
     "plan": Command(_OPERATOR, "what the operator would create for a manifest, and why"),
-    "up": Command(_OPERATOR, "run an LLMDeployment's pods on this machine, as in a cluster"),
-    "operator": Command(_OPERATOR, "run the Kubernetes operator (kopf)"),
-    "demo": Command(_OPERATOR, "run the tiny disaggregated example, ask it one question"),
+    "up": Command(
+        _OPERATOR, "run an LLMDeployment's pods on this machine, as in a cluster", ("engine",)
+    ),
+    "operator": Command(_OPERATOR, "run the Kubernetes operator (kopf)", ("operator",)),
+    "demo": Command(
+        _OPERATOR, "run the tiny disaggregated example, ask it one question", ("engine",)
+    ),
 }
 
 
@@ -76,6 +87,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in COMMANDS else None
+    try:
+        return _run(command, argv)
+    except ModuleNotFoundError as error:
+        # A third-party module the command's extra brings; anything else is a real bug.
+        missing = (error.name or "").partition(".")[0]
+        extras = COMMANDS[command].extras if command else ()
+        if not extras or missing in ("", "tidegate") or missing in sys.stdlib_module_names:
+            raise
+        needs = " and ".join(extras) + (" extra" if len(extras) == 1 else " extras")
+        print(
+            f"tidegate {command} needs the {needs} (no module named {missing!r}): "
+            f"pip install 'tidegate[{','.join(extras)}]'",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(command: str | None, argv: list[str]) -> int:
+    """The subcommand's flags read and its handler run; `main` adds the missing-extra message."""
     config = _config_values(command, argv[1:]) if command else None
     ns = build_parser(config, only=[command] if command else []).parse_args(argv)
     try:

@@ -39,11 +39,12 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli cli
+COPY common common
 COPY engine engine
 COPY operator operator
-# httpx: the CLI imports it while building its parser (the `bench` subcommand), so every
-# `tidegate` command needs it, although pyproject lists it only under the test/bench extras.
-RUN pip install /src "httpx>=0.27"
+# The engine extra: everything `tidegate serve` and `tidegate router` import.
+RUN pip install "/src[engine]"
 
 FROM ${CUDA_IMAGE}
 ARG CUDA_IMAGE

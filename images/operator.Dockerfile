@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The Tidegate operator: `tidegate operator` (kopf), and `tidegate plan`. No torch: the
 # operator reaches the engine only through tidegate.engine.config (pydantic), so the package
-# goes in without its dependencies and then only what the operator's code path imports.
+# goes in with its operator extra and without the engine extra.
 #
 #   docker build -f images/operator.Dockerfile -t ghcr.io/tidegate/operator:0.1.0 .
 #   docker run -v "$HOME/.kube:/tmp/.kube:ro" ghcr.io/tidegate/operator:0.1.0
@@ -19,15 +19,14 @@ RUN python -m venv /opt/tidegate
 ENV PATH=/opt/tidegate/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli cli
+COPY common common
 COPY engine engine
 COPY operator operator
-# The operator's runtime imports, with pyproject's own bounds (tests/images checks that they
-# match): kopf (and its aiohttp), pydantic (spec, engine config), pyyaml (manifests, engine
-# config files), httpx (imported by the CLI's parser for `bench`; pyproject lists it only
-# under the test/bench extras). Leaving out torch, numpy, fastapi and the rest of the
-# engine's dependencies saves gigabytes.
-RUN pip install --no-deps /src \
-    && pip install "kopf>=1.38" "pydantic>=2.11" "pyyaml>=6" "httpx>=0.27"
+# The base install (pydantic, pyyaml) and the operator extra (kopf, aiohttp). Leaving out the
+# engine extra (torch, numpy, fastapi, ...) saves gigabytes; tests/images checks that nothing
+# the operator's code path imports is missing.
+RUN pip install "/src[operator]"
 
 FROM ${PYTHON_IMAGE}
 ARG PYTHON_IMAGE

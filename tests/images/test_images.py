@@ -4,9 +4,10 @@ hadolint passes at its strictest threshold; each image is multi-stage with a fin
 that takes only the build stage's virtual environment, every base is pinned to an exact
 version, the user is the numeric uid the pods run as, `tidegate` is the entrypoint, there is
 a HEALTHCHECK against the endpoint the process really serves, and OCI labels say what the
-image is. The engine images install the pinned torch wheel before the package; the operator
-image installs no torch, and everything its code path imports is in it. No Docker daemon is
-needed: `make images` builds them where one exists.
+image is. The engine images install the pinned torch wheel before the package and its engine
+extra; the operator image installs the package with its operator extra and no torch, and
+everything its code path imports is in it. No Docker daemon is needed: `make images` builds
+them where one exists.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ RUNTIME_BUILD_TOOLS = {
 }
 # Imported by no operator code path: the engine's own runtime (torch and the server).
 ENGINE_ONLY = ("torch", "numpy", "fastapi", "uvicorn", "zmq", "msgspec", "safetensors")
+# `pip install "/src[extra,...]"`: the package, with these extras of pyproject.toml.
+PACKAGE_INSTALL = re.compile(r'pip install "/src\[([\w,-]+)\]"')
 
 
 @dataclass
@@ -248,8 +251,9 @@ def test_engine_images_pin_torch_before_the_package(name: str) -> None:
     build = parse(IMAGES / name).stages[0]
     runs = build.all("RUN")
     torch_run = next(i for i, run in enumerate(runs) if "torch==" in run)
-    package_run = next(i for i, run in enumerate(runs) if "pip install /src" in run)
+    package_run = next(i for i, run in enumerate(runs) if PACKAGE_INSTALL.search(run))
     assert torch_run < package_run
+    assert PACKAGE_INSTALL.search(runs[package_run]).group(1).split(",") == ["engine"]
     args = dict(a.partition("=")[::2] for a in build.all("ARG"))
     makefile = (REPO / "Makefile").read_text()
     assert f"torch=={args['TORCH_VERSION']}" in makefile, "the version the tests run"
@@ -257,21 +261,28 @@ def test_engine_images_pin_torch_before_the_package(name: str) -> None:
     assert re.search(index, args["TORCH_INDEX"]), args["TORCH_INDEX"]
 
 
-def operator_requirements() -> list[Requirement]:
+def operator_extras() -> list[str]:
+    """The extras the operator image installs the package with (its one pip command)."""
     (run,) = [r for r in parse(IMAGES / "operator.Dockerfile").stages[0].all("RUN") if "pip" in r]
-    assert "pip install --no-deps /src" in run and "torch" not in run
-    second = run.split("&&")[1]
-    return [Requirement(word.strip('"')) for word in shlex.split(second)[2:]]
+    match = PACKAGE_INSTALL.fullmatch(run)
+    assert match, f"the operator image installs the package and its extras, nothing else: {run}"
+    return match.group(1).split(",")
 
 
-def test_operator_image_takes_its_bounds_from_pyproject() -> None:
-    declared = {
-        Requirement(spec).name.lower(): str(Requirement(spec).specifier)
-        for spec in PYPROJECT["project"]["dependencies"]
-        + [s for extra in PYPROJECT["project"]["optional-dependencies"].values() for s in extra]
+def operator_requirements() -> list[Requirement]:
+    """pyproject's base dependencies and those of the operator image's extras."""
+    project = PYPROJECT["project"]
+    extras = [s for extra in operator_extras() for s in project["optional-dependencies"][extra]]
+    return [Requirement(spec) for spec in project["dependencies"] + extras]
+
+
+def test_operator_image_installs_the_operator_extra_and_no_engine_one() -> None:
+    assert operator_extras() == ["operator"]
+    engine = {
+        Requirement(spec).name for spec in PYPROJECT["project"]["optional-dependencies"]["engine"]
     }
-    for requirement in operator_requirements():
-        assert declared.get(requirement.name.lower()) == str(requirement.specifier), requirement
+    assert "torch" in engine
+    assert not engine & {r.name for r in operator_requirements()}
 
 
 def closure(names: list[str]) -> set[str]:
