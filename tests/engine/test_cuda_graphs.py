@@ -139,7 +139,7 @@ def test_capture_sizes_must_increase():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [0, 1], ids=["eager", "compiled"])
-def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level, tmp_path, monkeypatch):
+def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level):
     """The whole engine replays graphs for its decode steps and matches the torch backend.
 
     Compiled, it is level 2's composition on CPU (inductor's model around the Triton
@@ -156,18 +156,10 @@ def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level, tmp
         enable_prefix_caching=True,
     )
     reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
-    # A cache of its own (the environment it sets is restored afterwards): a machine's
-    # shared /tmp/torchinductor_* may hold artifacts other checkouts built.
-    for key, folder in [
-        ("TORCHINDUCTOR_CACHE_DIR", tmp_path),
-        ("TRITON_CACHE_DIR", tmp_path / "triton"),
-    ]:
-        monkeypatch.setenv(key, str(folder))
     llm = LLM(
         model=str(tiny_llama_dir),
         attention_backend="triton",
         compilation_level=level,
-        compile_cache_dir=str(tmp_path),
         **common,
     )
     runner = llm.engine.executor.worker.runner
