@@ -23,8 +23,12 @@ os.environ.setdefault("TIDEGATE_COMPILATION_LEVEL", "0")
 # request.getfixturevalue), model.
 MODEL_FIXTURES = frozenset({"tiny_llama_dir", "tiny_qwen2_dir"})
 # Modules elsewhere whose tests start servers, engines or commands in processes of their own.
+# `make test` runs these alone, after the rest has run on both cores: their timings (a long
+# prompt's arrival, deadlines, 429s before any admitted request ends) assume a quiet machine.
 STARTS_PROCESSES = frozenset(
     {
+        "tests/benchmarks/test_scenarios.py",
+        "tests/packaging/test_wheel.py",
         "tests/test_cli.py",
         "tests/engine/test_http_server.py",
         "tests/engine/test_malloc.py",

@@ -14,7 +14,7 @@ WORKLOADS = {
     "shared-prefix": ["--num-prompts", "8", "--prefix-len", "64", "--output-len", "4"],
     "long-prompt-arrival": [
         "--steady-streams", "3", "--steady-output-len", "120", "--long-input-len", "200",
-        "--long-arrivals", "0.2", "--long-output-len", "2",
+        "--long-arrivals", "0.6", "--long-output-len", "2",
     ],
 }  # fmt: skip
 
