@@ -22,17 +22,17 @@ $(CHECKOV):
 	$(PYTHON) -m venv .cache/tools/checkov
 	.cache/tools/checkov/bin/pip install --quiet checkov==3.3.30
 
-# The whole suite, as CI runs it: lint, format, import layers, then every test. The tests that
-# start no server of their own run first, one test file per worker on each of the two cores
-# (pytest-xdist; TEST_WORKERS= runs them in one process); then those that do (the e2e mark,
-# given in tests/conftest.py) run alone, since their timings assume a quiet machine.
+# The whole suite, as CI runs it: lint, format, import layers, then every test. All but
+# tests/e2e/ run first, one test file per worker on each of the two cores (pytest-xdist;
+# TEST_WORKERS= runs them in one process); then tests/e2e/ (the `alone` mark, given in
+# tests/conftest.py) runs by itself, since its timings assume a quiet machine.
 TEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(CHECKOV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q $(TEST_WORKERS) -m "not e2e"
-	$(BIN)/pytest -q -m e2e
+	$(BIN)/pytest -q $(TEST_WORKERS) -m "not alone"
+	$(BIN)/pytest -q -m alone
 
 # The units only, to iterate with (about a minute on 2 cores): no model, no server, no other
 # process, nothing slow. tests/conftest.py gives the marks it leaves out; the slowest five

@@ -23,8 +23,6 @@ os.environ.setdefault("TIDEGATE_COMPILATION_LEVEL", "0")
 # request.getfixturevalue), model.
 MODEL_FIXTURES = frozenset({"tiny_llama_dir", "tiny_qwen2_dir"})
 # Modules elsewhere whose tests start servers, engines or commands in processes of their own.
-# `make test` runs these alone, after the rest has run on both cores: their timings (a long
-# prompt's arrival, deadlines, 429s before any admitted request ends) assume a quiet machine.
 STARTS_PROCESSES = frozenset(
     {
         "tests/benchmarks/test_scenarios.py",
@@ -50,6 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.path.relative_to(config.rootpath).as_posix()
         if path.startswith("tests/e2e/") or path.endswith("_e2e.py") or path in STARTS_PROCESSES:
             item.add_marker(pytest.mark.e2e)
+        if path.startswith("tests/e2e/"):
+            # `make test` runs these by themselves, after the rest has run on both cores: their
+            # timings (a long prompt's arrival, deadlines, 429s before any admitted request
+            # ends, RSS between soak rounds) assume a quiet machine.
+            item.add_marker(pytest.mark.alone)
         if path in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
         callspec = getattr(item, "callspec", None)
