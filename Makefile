@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test test-quick demo lint format bench bench-throughput bench-startup bench-prefill-stall \
-	bench-shared-prefix bench-disaggregated bench-attention bench-compile bench-peers clean
+	bench-shared-prefix bench-disaggregated bench-attention bench-cpu-attention bench-compile \
+	bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +81,10 @@ bench-compile: $(STAMP)
 # CUDA only: the Triton attention kernel against SDPA (correctness first, then timings).
 bench-attention: $(STAMP)
 	$(BIN)/python benchmarks/attention.py --check --out benchmarks/results/attention.json
+
+# The C++ CPU paged-attention kernel against the torch backend, one layer of the small model.
+bench-cpu-attention: $(STAMP)
+	$(BIN)/python benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention.json
 
 # Every scenario that needs no peer engine; each writes benchmarks/results/ and the README table.
 bench: bench-prefill-stall bench-shared-prefix bench-disaggregated bench-throughput \

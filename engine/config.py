@@ -56,8 +56,10 @@ class EngineArgs(BaseModel):
         description="unified: prefill chunks and decodes share every step. phased: a step is "
         "either whole-prompt prefills or decodes, as older engines did (a baseline for benchmarks).",
     )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="Attention kernels: triton on CUDA, torch on CPU when auto."
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = Field(
+        "auto",
+        description="Attention kernels. auto: triton on CUDA; on CPU the C++ paged-attention "
+        "kernel (built on first use, cached), or torch where it cannot build or fit the model.",
     )
     tensor_parallel_size: int = Field(
         1,

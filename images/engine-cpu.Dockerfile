@@ -45,7 +45,16 @@ LABEL org.opencontainers.image.title="tidegate-engine-cpu" \
       org.opencontainers.image.base.name="${PYTHON_IMAGE}"
 # uid/gid 10001: the pods the operator renders run as 10001:10001 (runAsUser, fsGroup), a
 # uid no user of the node has.
-RUN groupadd --gid 10001 tidegate \
+# The one exception to "no build tools in the final stage": on CPU the engine compiles C++
+# at run time, inductor's generated kernels (compilation level 1, the CPU default) and the
+# paged-attention kernel (engine/attention/paged_attention.cpp), each cached under $HOME.
+# Without g++ both fall back: eager mode and the slower torch attention backend.
+# Unpinned apt packages: Debian's archive keeps only the latest build of each.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 tidegate \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
         --shell /usr/sbin/nologin tidegate
 COPY --from=build /opt/tidegate /opt/tidegate

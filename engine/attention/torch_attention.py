@@ -64,7 +64,7 @@ class TorchAttentionBackend:
             q = query[start:end]
             seq_len = int(seq_lens[i])
             block_table = meta.block_table[i]
-            out[start:end] = _prefill_one(q, k_cache, v_cache, block_table, seq_len, softmax_scale)
+            out[start:end] = attend_chunk(q, k_cache, v_cache, block_table, seq_len, softmax_scale)
         return out
 
 
@@ -126,7 +126,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-3, -2)
 
 
-def _prefill_one(
+def attend_chunk(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -54,7 +54,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model_config = model_config
         self.dtype = resolve_dtype(args.dtype, self.model_config)
-        self.attn_backend = get_attention_backend(args.attention_backend, device)
+        self.attn_backend = get_attention_backend(
+            args.attention_backend,
+            device,
+            head_dim=model_config.head_dim,
+            block_size=args.block_size,
+            dtype=self.dtype,
+        )
         self.model, _ = load_model(
             args.model, self.dtype, device, self.attn_backend, config=model_config
         )

@@ -56,6 +56,10 @@ RUNTIME_BUILD_TOOLS = {
         "libc6-dev": "the C library headers gcc needs for it",
         "python3.12-dev": "Python.h, which the shim includes",
     },
+    "engine-cpu.Dockerfile": {
+        "g++": "inductor's kernels and the CPU paged-attention kernel compile at run time",
+        "libc6-dev": "the C library headers g++ needs for them",
+    },
 }
 # Imported by no operator code path: the engine's own runtime (torch and the server).
 ENGINE_ONLY = ("torch", "numpy", "fastapi", "uvicorn", "zmq", "msgspec", "safetensors")

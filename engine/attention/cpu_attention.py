@@ -1,0 +1,211 @@
+"""The `cpu` attention backend: a C++ paged-attention kernel, compiled on first use.
+
+The kernel (paged_attention.cpp, beside this file) reads each sequence's keys and values in place through
+the block table, for decodes and prefill chunks alike, in one call per layer for the whole
+flat batch; the torch backend instead copies every context out of the cache first. It is
+built with torch's extension loader (ninja and a C++ compiler, which the CPU engine already
+needs for inductor) for this machine's instruction set, and cached under
+~/.cache/tidegate/cpu_kernels (or $TIDEGATE_CPU_KERNELS_DIR), so later processes only load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.attention.torch_attention import attend_chunk
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HEAD_SIZES = (32, 64, 80, 96, 128, 256)
+KEY_CHUNK = 16  # a block size must be a multiple of this
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What to compile for: the build machine's own ISA (default), or a fixed level for tests and
+# for caches shared between different CPUs.
+ISA_FLAGS = {
+    "native": ["-march=native"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx2": ["-march=x86-64-v3"],
+}
+_COMMON_FLAGS = [
+    "-O3",
+    # at::parallel_for is a header template over OpenMP: without -fopenmp it runs on one
+    # thread. The libgomp it links is torch's own, already loaded (same soname).
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-mprefer-vector-width=512",  # GCC otherwise keeps AVX-512 code to 256-bit vectors
+]
+_lock = threading.Lock()
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The kernel cannot be built here (no compiler, no ninja, not x86-64)."""
+
+
+def cpu_kernel_isa() -> str:
+    isa = os.environ.get("TIDEGATE_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"TIDEGATE_CPU_ISA={isa!r}; choose one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def load_cpu_kernels() -> None:
+    """Build (first time only) and load the kernels for the ISA of `cpu_kernel_isa()`."""
+    _load(cpu_kernel_isa())
+
+
+@cache
+def _load(isa: str) -> None:
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise CpuKernelUnavailable(f"the CPU kernels target x86-64, not {platform.machine()}")
+    try:
+        import ninja  # noqa: F401  (torch's loader runs it)
+        from torch.utils import cpp_extension
+    except ImportError as error:
+        raise CpuKernelUnavailable(f"building the CPU kernels needs {error.name}") from error
+    name = f"tidegate_cpu_{isa}_{_build_key(isa)}"
+    build_dir = _cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _lock:  # one build per process; torch's loader locks between processes
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=[*_COMMON_FLAGS, *ISA_FLAGS[isa]],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, FileNotFoundError) as error:
+            raise CpuKernelUnavailable(f"building the CPU kernels failed: {error}") from error
+    logger.debug("CPU attention kernels loaded from %s", build_dir)
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the kernels load here; the reason is logged once when they do not."""
+    try:
+        load_cpu_kernels()
+    except CpuKernelUnavailable as error:
+        _warn_once(str(error))
+        return False
+    return True
+
+
+@cache
+def _warn_once(reason: str) -> None:
+    logger.warning("CPU attention kernels unavailable (%s); using the torch backend", reason)
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TIDEGATE_CPU_KERNELS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "tidegate" / "cpu_kernels"
+
+
+def _build_key(isa: str) -> str:
+    """Source, torch version and (for `native`) this CPU's features: a change rebuilds."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    if isa == "native":
+        digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:12]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+class CpuAttentionBackend:
+    """Paged attention for mixed prefill/decode batches with the C++ kernel.
+
+    Decodes and short chunks go to the kernel, the whole batch in one call. A chunk longer
+    than `max_kernel_query_len` is compute-bound, and PyTorch's flash attention runs it on
+    oneDNN's matrix kernels (AMX or AVX-512 BF16 where the CPU has them) several times
+    faster than the kernel's vector loops (benchmarks/cpu_attention.py): those chunks take
+    the torch backend's path, one SDPA call each over their gathered keys.
+    """
+
+    name = "cpu"
+    cuda_graph_safe = False  # a CPU backend: there are no CUDA graphs to capture
+
+    def __init__(self, sliding_window: int | None = None, max_kernel_query_len: int = 64) -> None:
+        load_cpu_kernels()
+        self.sliding_window = sliding_window or 0
+        if self.sliding_window:
+            max_kernel_query_len = 0  # the SDPA path has no window: the kernel does it all
+        self.max_kernel_query_len = max_kernel_query_len
+
+    @staticmethod
+    def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        return head_dim in HEAD_SIZES and block_size % KEY_CHUNK == 0 and dtype in DTYPES
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store each token's key/value at its slot; tokens with a negative slot are skipped."""
+        torch.ops.tidegate_cpu.reshape_and_cache(
+            key, value, k_cache, v_cache, meta.slot_mapping[: meta.num_tokens]
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each new token over its sequence's cached keys."""
+        out = torch.empty_like(query)
+        out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
+        starts = meta.query_start_loc_cpu[: meta.num_seqs + 1]
+        seq_lens = meta.seq_lens_cpu[: meta.num_seqs]
+        torch.ops.tidegate_cpu.paged_attention(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            starts,
+            seq_lens,
+            meta.block_table[: meta.num_seqs],
+            softmax_scale,
+            self.sliding_window,
+            self.max_kernel_query_len,
+        )
+        if self.max_kernel_query_len > 0 and meta.max_query_len > self.max_kernel_query_len:
+            query_lens = starts[1:] - starts[:-1]
+            for i in (query_lens > self.max_kernel_query_len).nonzero().flatten().tolist():
+                start, end = int(starts[i]), int(starts[i + 1])
+                out[start:end] = attend_chunk(
+                    query[start:end],
+                    k_cache,
+                    v_cache,
+                    meta.block_table[i],
+                    int(seq_lens[i]),
+                    softmax_scale,
+                )
+        return out

@@ -1,0 +1,476 @@
+// CPU paged attention: every new token of a flat batch attends to its sequence's keys,
+// read in place from the paged cache through the block table (no gathered copy).
+//
+// Work is split into items (sequence, tile of up to kQueryTile new tokens), taken by
+// torch's intra-op threads from a shared counter, so a long chunk's tiles and many short
+// decodes spread evenly. An item walks its keys in chunks of KEYS tokens and, for each
+// chunk, every KV head in turn: a chunk's slots are contiguous in the cache, so each cache
+// line is read from memory once. Each head's keys and values are converted to fp32 once per
+// chunk and serve every query row of the head (the GQA group times the tile's tokens), RB
+// rows at a time so that one vector load feeds RB rows' FMAs. Softmax is online (flash
+// style) in fp32, in base 2 (the query is scaled by scale * log2(e)). The inner loops run
+// over a chunk's keys or over head_dim, both compile-time sizes, so the compiler vectorizes
+// them for the ISA it is given (AVX-512 with -march=native here, AVX2 with x86-64-v3).
+//
+// Ops (namespace tidegate_cpu):
+//   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+//                   scale, sliding_window, max_query_len)
+//     Sequences with more than max_query_len new tokens (when > 0) are skipped: their rows
+//     of `out` are left for the caller.
+//   reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int KEYS = 16;       // keys per chunk: one AVX-512 vector of fp32 scores
+constexpr int kQueryTile = 16;  // new tokens per work item of a prefill chunk
+constexpr int kTransposeRows = 8;  // from this many query rows, scores use K transposed
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of an fp32: a shift the compiler vectorizes (static_cast may not).
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 2^x for x <= 0, within ~1e-7 relative; 0 below -126 (and for -inf). Plain arithmetic the
+// compiler vectorizes, unlike std::exp2: 2^x = 2^n * 2^f, n = round(x), f in [-0.5, 0.5],
+// 2^f by its Taylor series to degree 7 (truncation error < 1e-8).
+inline float exp2_nonpositive(float x) {
+  const float xc = std::max(x, -126.f);
+  const float n = std::floor(xc + 0.5f);
+  const float f = xc - n;
+  float p = 1.5252734e-5f;
+  p = p * f + 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -126.f ? 0.f : p * two_n;
+}
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);  // round to nearest even for Half and BFloat16
+}
+
+struct Item {
+  int32_t seq;
+  int32_t first;  // first new token of the tile, as an offset into the sequence's chunk
+};
+
+// Sizes and strides shared by every item of one call.
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_dim;
+  int64_t q_tok, q_head, o_tok, o_head;               // query/out strides
+  int64_t kc_blk, kc_slot, kc_head, vc_blk, vc_slot, vc_head;  // cache strides
+  int64_t bt_row, max_blocks, block_size;
+  float scale_log2;  // softmax scale * log2(e)
+  int64_t window;    // 0: none
+};
+
+template <typename T, int HEAD>
+void attend_item(const Problem& p, const Item& item, const T* query, const T* k_cache,
+                 const T* v_cache, T* out, const int32_t* query_start_loc,
+                 const int32_t* seq_lens, const int32_t* block_table, float* scratch) {
+  const int64_t start = query_start_loc[item.seq];
+  const int64_t query_len = query_start_loc[item.seq + 1] - start;
+  const int64_t seq_len = seq_lens[item.seq];
+  const int64_t context_len = seq_len - query_len;
+  const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, query_len - item.first));
+  const int group = static_cast<int>(p.group);
+  const int kv_heads = static_cast<int>(p.num_kv_heads);
+  // Rows of one KV head: row r is token r / group, query head kv_head * group + r % group.
+  const int rows = tile * group;
+  const int all_rows = rows * kv_heads;
+
+  float* __restrict__ q = scratch;          // [all_rows][HEAD], scaled
+  float* __restrict__ acc = q + all_rows * HEAD;   // [all_rows][HEAD]
+  float* __restrict__ kf = acc + all_rows * HEAD;  // [KEYS][HEAD], one head's keys
+  float* __restrict__ kt = kf + KEYS * HEAD;       // [HEAD][KEYS], transposed (many rows)
+  float* __restrict__ vb = kt + HEAD * KEYS;       // [KEYS][HEAD]
+  float* __restrict__ s = vb + KEYS * HEAD;        // [rows][KEYS]
+  float* __restrict__ row_max = s + rows * KEYS;   // [all_rows]
+  float* __restrict__ row_sum = row_max + all_rows;  // [all_rows]
+
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int row = h * rows + r;
+      const int64_t token = start + item.first + r / group;
+      const int64_t head = h * p.group + r % group;
+      const T* src = query + token * p.q_tok + head * p.q_head;
+#pragma omp simd
+      for (int d = 0; d < HEAD; ++d) q[row * HEAD + d] = to_float(src[d]) * p.scale_log2;
+#pragma omp simd
+      for (int d = 0; d < HEAD; ++d) acc[row * HEAD + d] = 0.f;
+      row_max[row] = kNegInf;
+      row_sum[row] = 0.f;
+    }
+  }
+
+  // Query token at offset j (in the chunk) sits at position context_len + j and sees keys
+  // (lo, context_len + j], with lo = position - window when there is a window.
+  const int64_t first_pos = context_len + item.first;
+  const int64_t last_pos = first_pos + tile - 1;
+  const int64_t key_end = last_pos + 1;  // exclusive
+  const int64_t key_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int32_t* table = block_table + item.seq * p.bt_row;
+  // Many rows (a prefill tile): transpose K once so that each row's scores are FMAs over the
+  // chunk's keys with no horizontal sums. Few rows (decodes): dot products win.
+  const bool transposed = rows >= kTransposeRows;
+
+  // Keys go by chunks of KEYS tokens (a cache block holds a whole number of chunks), all KV
+  // heads of a chunk in turn: the chunk's slots are contiguous in the cache, so each cache
+  // line is fetched once and used at once.
+  for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
+    const int64_t block_start = chunk * KEYS;  // position of the chunk's first key
+    const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
+    const int64_t block = table[block_start / p.block_size];
+    const int64_t slot = block_start % p.block_size;
+    // Every key of the chunk visible to every row of the tile: no mask needed.
+    const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
+                             (p.window == 0 || block_start > last_pos - p.window);
+    for (int h = 0; h < kv_heads; ++h) {
+      const T* kb = k_cache + block * p.kc_blk + slot * p.kc_slot + h * p.kc_head;
+      const T* vsrc = v_cache + block * p.vc_blk + slot * p.vc_slot + h * p.vc_head;
+      for (int t = 0; t < n; ++t) {
+        const T* krow = kb + t * p.kc_slot;
+        const T* vrow = vsrc + t * p.vc_slot;
+#pragma omp simd
+        for (int d = 0; d < HEAD; ++d) kf[t * HEAD + d] = to_float(krow[d]);
+#pragma omp simd
+        for (int d = 0; d < HEAD; ++d) vb[t * HEAD + d] = to_float(vrow[d]);
+      }
+      // Slots past the sequence's end hold stale or garbage data (even NaN): zero them so
+      // that 0 * garbage never reaches the accumulators; their scores are masked below.
+      for (int t = n; t < KEYS; ++t) {
+#pragma omp simd
+        for (int d = 0; d < HEAD; ++d) kf[t * HEAD + d] = 0.f;
+#pragma omp simd
+        for (int d = 0; d < HEAD; ++d) vb[t * HEAD + d] = 0.f;
+      }
+      if (transposed) {
+        for (int t = 0; t < KEYS; ++t) {
+          for (int d = 0; d < HEAD; ++d) kt[d * KEYS + t] = kf[t * HEAD + d];
+        }
+      }
+      // Rows go RB at a time: each key vector loaded serves RB rows' FMAs, and the RB
+      // accumulators stay in registers through the chunk.
+      constexpr int RB = HEAD <= 64 ? 4 : (HEAD <= 128 ? 2 : 1);
+      for (int r0 = 0; r0 < rows; r0 += RB) {
+        const int nr = std::min(RB, rows - r0);
+        float sc[RB][KEYS];
+        if (transposed) {
+          for (int i = 0; i < RB; ++i) {
+#pragma omp simd
+            for (int t = 0; t < KEYS; ++t) sc[i][t] = 0.f;
+          }
+          for (int d = 0; d < HEAD; ++d) {
+            const float* kd = kt + d * KEYS;
+            for (int i = 0; i < RB; ++i) {
+              const float qd = q[(h * rows + std::min(r0 + i, rows - 1)) * HEAD + d];
+#pragma omp simd
+              for (int t = 0; t < KEYS; ++t) sc[i][t] += qd * kd[t];
+            }
+          }
+        } else {
+          for (int i = 0; i < nr; ++i) {
+            const float* __restrict__ qr = q + (h * rows + r0 + i) * HEAD;
+            for (int t = 0; t < KEYS; ++t) {
+              const float* kr = kf + t * HEAD;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int d = 0; d < HEAD; ++d) dot += qr[d] * kr[d];
+              sc[i][t] = dot;
+            }
+          }
+        }
+        float alpha[RB];
+        bool any = false;
+        for (int i = 0; i < nr; ++i) {
+          const int r = r0 + i;
+          const int row = h * rows + r;
+          float* sr = sc[i];
+          if (!all_visible) {
+            const int64_t pos = first_pos + r / group;
+            const int64_t lo = p.window > 0 ? pos - p.window : -1;  // keys must be > lo
+            for (int t = 0; t < KEYS; ++t) {
+              const int64_t key = block_start + t;
+              if (t >= n || key > pos || key <= lo) sr[t] = kNegInf;
+            }
+          }
+          float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
+          for (int t = 0; t < KEYS; ++t) block_max = std::max(block_max, sr[t]);
+          if (block_max == kNegInf) {  // nothing of this chunk is visible to the row
+            alpha[i] = 1.f;
+#pragma omp simd
+            for (int t = 0; t < KEYS; ++t) sr[t] = 0.f;
+            continue;
+          }
+          any = true;
+          const float new_max = std::max(row_max[row], block_max);
+          alpha[i] = exp2_nonpositive(row_max[row] - new_max);  // 0 the first time
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int t = 0; t < KEYS; ++t) {
+            sr[t] = exp2_nonpositive(sr[t] - new_max);
+            block_sum += sr[t];
+          }
+          row_max[row] = new_max;
+          row_sum[row] = row_sum[row] * alpha[i] + block_sum;
+        }
+        if (!any) continue;
+        // The rows' accumulators in registers for the chunk.
+        float a[RB][HEAD];
+        for (int i = 0; i < nr; ++i) {
+#pragma omp simd
+          for (int d = 0; d < HEAD; ++d) a[i][d] = acc[(h * rows + r0 + i) * HEAD + d] * alpha[i];
+        }
+        for (int t = 0; t < KEYS; ++t) {
+          const float* vt = vb + t * HEAD;
+          for (int i = 0; i < RB; ++i) {
+            if (i >= nr) break;
+            const float pt = sc[i][t];
+#pragma omp simd
+            for (int d = 0; d < HEAD; ++d) a[i][d] += pt * vt[d];
+          }
+        }
+        for (int i = 0; i < nr; ++i) {
+#pragma omp simd
+          for (int d = 0; d < HEAD; ++d) acc[(h * rows + r0 + i) * HEAD + d] = a[i][d];
+        }
+      }
+    }
+  }
+
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int row = h * rows + r;
+      const int64_t token = start + item.first + r / group;
+      const int64_t head = h * p.group + r % group;
+      T* dst = out + token * p.o_tok + head * p.o_head;
+      // Every row sees at least its own key, so row_sum > 0.
+      const float inv = 1.f / row_sum[row];
+#pragma omp simd
+      for (int d = 0; d < HEAD; ++d) dst[d] = from_float<T>(acc[row * HEAD + d] * inv);
+    }
+  }
+}
+
+template <typename T, int HEAD>
+void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& query,
+         const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+         const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+         const at::Tensor& block_table) {
+  const T* q = query.const_data_ptr<T>();
+  const T* k = k_cache.const_data_ptr<T>();
+  const T* v = v_cache.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* bt = block_table.const_data_ptr<int32_t>();
+  const int64_t max_rows = kQueryTile * p.num_heads;  // all heads of a full tile
+  const int64_t scratch_floats =
+      2 * max_rows * HEAD + 3 * HEAD * KEYS + max_rows * KEYS + 2 * max_rows;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  // Items differ in cost (a causal tile near the end of a prompt reads more keys): threads
+  // take the next item from a shared counter rather than a fixed range.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        attend_item<T, HEAD>(p, items[i], q, k, v, o, qsl, sl, bt, scratch.data());
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head(int64_t head_dim, const Problem& p,
+                   const std::vector<Item>& items, const at::Tensor& query,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                   const at::Tensor& qsl, const at::Tensor& sl, const at::Tensor& bt) {
+#define TIDEGATE_HEAD(H) \
+  case H: return run<T, H>(p, items, query, k_cache, v_cache, out, qsl, sl, bt);
+  switch (head_dim) {
+    TIDEGATE_HEAD(32)
+    TIDEGATE_HEAD(64)
+    TIDEGATE_HEAD(80)
+    TIDEGATE_HEAD(96)
+    TIDEGATE_HEAD(128)
+    TIDEGATE_HEAD(256)
+    default: TORCH_CHECK(false, "paged_attention: unsupported head size ", head_dim,
+                         " (supported: 32, 64, 80, 96, 128, 256)");
+  }
+#undef TIDEGATE_HEAD
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
+                     int64_t sliding_window, int64_t max_query_len) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "paged_attention: query and out must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "paged_attention: query, caches and out must share one dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "paged_attention: head_dim must be contiguous");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt, "paged_attention: metadata must be int32");
+  }
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  block_table.stride(1) == 1,
+              "paged_attention: metadata rows must be contiguous");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "paged_attention: cache head_dim differs");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: ", num_heads,
+              " query heads are not a multiple of ", num_kv_heads, " KV heads");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(k_cache.size(1) % KEYS == 0, "paged_attention: block size ", k_cache.size(1),
+              " is not a multiple of ", KEYS);
+  TORCH_CHECK(query_start_loc.size(0) >= num_seqs + 1,
+              "paged_attention: query_start_loc needs num_seqs + 1 entries");
+
+  Problem p{};
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_heads / num_kv_heads;
+  p.head_dim = head_dim;
+  p.q_tok = query.stride(0);
+  p.q_head = query.stride(1);
+  p.o_tok = out.stride(0);
+  p.o_head = out.stride(1);
+  p.kc_blk = k_cache.stride(0);
+  p.kc_slot = k_cache.stride(1);
+  p.kc_head = k_cache.stride(2);
+  p.vc_blk = v_cache.stride(0);
+  p.vc_slot = v_cache.stride(1);
+  p.vc_head = v_cache.stride(2);
+  p.bt_row = block_table.stride(0);
+  p.max_blocks = block_table.size(1);
+  p.block_size = k_cache.size(1);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.window = sliding_window;
+
+  const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(1);
+  std::vector<Item> items;
+  items.reserve(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t query_len = qsl[i + 1] - qsl[i];
+    TORCH_CHECK(query_len >= 0 && qsl[i + 1] <= query.size(0) && sl[i] >= query_len &&
+                    (sl[i] + block_size - 1) / block_size <= p.max_blocks,
+                "paged_attention: sequence ", i, " has inconsistent metadata");
+    if (max_query_len > 0 && query_len > max_query_len) continue;  // the caller's to do
+    for (int64_t first = 0; first < query_len; first += kQueryTile) {
+      items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(first)});
+    }
+  }
+  // Items that see the most keys first: the threads finish together more often.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    const int64_t ka = sl[a.seq] - (qsl[a.seq + 1] - qsl[a.seq]) + a.first;
+    const int64_t kb = sl[b.seq] - (qsl[b.seq + 1] - qsl[b.seq]) + b.first;
+    return ka > kb;
+  });
+  if (items.empty()) return;
+
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return dispatch_head<float>(head_dim, p, items, query, k_cache, v_cache, out,
+                                  query_start_loc, seq_lens, block_table);
+    case at::kBFloat16:
+      return dispatch_head<c10::BFloat16>(head_dim, p, items, query, k_cache,
+                                          v_cache, out, query_start_loc, seq_lens, block_table);
+    case at::kHalf:
+      return dispatch_head<c10::Half>(head_dim, p, items, query, k_cache, v_cache,
+                                      out, query_start_loc, seq_lens, block_table);
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "reshape_and_cache: int64 slots");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "reshape_and_cache: key and value must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == key.scalar_type() &&
+                  v_cache.scalar_type() == key.scalar_type(),
+              "reshape_and_cache: caches and keys must share one dtype");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              "reshape_and_cache: key rows do not fit the cache");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "reshape_and_cache: contiguous rows only");
+  const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), key.size(0));
+  const int64_t heads = key.size(1), dim = key.size(2);
+  const int64_t row_bytes = dim * key.element_size();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const char* k = static_cast<const char*>(key.const_data_ptr());
+  const char* v = static_cast<const char*>(value.const_data_ptr());
+  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
+  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
+  const int64_t es = key.element_size();
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;  // padding: no slot
+    TORCH_CHECK(slot < num_slots, "reshape_and_cache: slot ", slot, " is past the cache");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + (slot * heads + h) * row_bytes, k + (i * key.stride(0) + h * key.stride(1)) * es,
+                  row_bytes);
+      std::memcpy(vc + (slot * heads + h) * row_bytes,
+                  v + (i * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidegate_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
+      "int sliding_window, int max_query_len) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tidegate_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}

@@ -1,0 +1,226 @@
+"""The C++ CPU paged-attention kernel equals dense attention and the torch backend.
+
+Each case runs the kernel on a NaN-poisoned paged cache (a stray read shows) and compares it
+with dense fp32 attention per sequence: tight in fp32; in bf16/fp16 within the error of
+rounding the inputs' products and the output. The first test in a fresh cache compiles the
+kernel (about 20 s); later runs load it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.engine.paged_attention_cases import (
+    NUM_KV_HEADS,
+    mixed_chunks,
+    paged_batch,
+    poisoned_cache,
+    reference_attention,
+)
+from tidegate.engine import LLM, SamplingParams
+from tidegate.engine.attention import TorchAttentionBackend, get_attention_backend
+from tidegate.engine.attention.cpu_attention import (
+    CpuAttentionBackend,
+    cpu_kernels_available,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the CPU kernels need x86-64, a C++ compiler and ninja"
+)
+# fp32: accumulation order and the exp2 polynomial only. 16-bit: the query, keys and output
+# are rounded; products and sums are fp32 in the kernel and the reference alike.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kernel_max=0):
+    """The backend on a poisoned paged cache, and the dense reference for it.
+
+    kernel_max=0: the kernel takes every sequence, long chunks included.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    meta, tables, num_blocks = paged_batch(chunks, block_size, rng)
+    args = (chunks, tables, num_blocks, block_size, head_dim, dtype)
+    k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
+    num_heads = NUM_KV_HEADS * group
+    # q as the model makes it: a strided view of a fused qkv projection.
+    qkv = torch.randn(meta.num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim).to(dtype)
+    query = qkv[:, :num_heads]
+    scale = head_dim**-0.5
+    backend = CpuAttentionBackend(sliding_window=window, max_kernel_query_len=kernel_max)
+    out = backend.attend(query, k_cache, v_cache, meta, scale)
+    expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("block_size", [16, 32], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize("head_dim", [64, 80, 128], ids=lambda d: f"d{d}")
+def test_mixed_batch_matches_dense_reference(head_dim, block_size, group, dtype):
+    # Decodes mid-block, a one-token prompt, a prefix hit on whole blocks, a chunk after
+    # mid-block context and a fresh prompt, in one flat batch.
+    seed = head_dim * 1000 + block_size * 10 + group
+    chunks = mixed_chunks(random.Random(seed), block_size)
+
+    out, expected = run_case(chunks, head_dim, block_size, group, dtype, seed)
+
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_randomized_batches_match_dense_reference(seed):
+    rng = random.Random(seed)
+    head_dim = rng.choice([32, 64, 80, 96, 128, 256])
+    block_size = rng.choice([16, 32, 64])
+    group = rng.choice([1, 2, 3, 4, 8])
+    dtype = rng.choice(list(TOLERANCE))
+    # Long chunks span several 16-token query tiles; contexts cross many blocks.
+    chunks = [(rng.randint(0, 300), rng.choice([1, 1, rng.randint(1, 70)])) for _ in range(7)]
+
+    out, expected = run_case(chunks, head_dim, block_size, group, dtype, seed)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel_in_one_batch():
+    # Two chunks past the threshold (one after cached context), beside decodes and a chunk
+    # the kernel keeps; every row must be written once, by the right path.
+    chunks = [(100, 70), (0, 200), (37, 1), (5, 64), (300, 1)]
+
+    out, expected = run_case(chunks, 64, 16, 3, torch.bfloat16, 12, kernel_max=64)
+
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_sliding_window_sees_only_the_last_keys():
+    window = 24
+    chunks = [(70, 1), (5, 1), (40, 30), (0, 33), (window - 1, 1), (100, 17)]
+
+    out, expected = run_case(chunks, 64, 16, 2, torch.float32, 9, window=window)
+
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_many_query_heads_on_one_kv_head():
+    chunks = [(20, 1), (0, 5), (9, 3)]
+
+    out, expected = run_case(chunks, 64, 16, 32, torch.float16, 4)
+
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_backend_matches_the_torch_backend_and_leaves_padding_rows_zero():
+    block_size, head_dim, group = 16, 64, 4
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    chunks = [(13, 1), (0, 9), (32, 4), (50, 1), (0, 1)]
+    meta, _, num_blocks = paged_batch(chunks, block_size, rng)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache, v_cache = (torch.randn(shape) for _ in range(2))
+    caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
+    num_padded = meta.num_tokens + 3  # padding rows, and slots -1 past the batch
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((3,), -1)])
+    query = torch.randn(num_padded, NUM_KV_HEADS * group, head_dim)
+    qkv = torch.randn(num_padded, 2 * NUM_KV_HEADS, head_dim)  # strided key and value views
+    key, value = qkv[:, :NUM_KV_HEADS], qkv[:, NUM_KV_HEADS:]
+    cpu_backend, torch_backend = CpuAttentionBackend(), TorchAttentionBackend()
+
+    cpu_backend.write_kv(key, value, caches[0], caches[1], meta)
+    torch_backend.write_kv(key, value, caches[2], caches[3], meta)
+    out = cpu_backend.attend(query, caches[0], caches[1], meta, 0.125)
+    expected = torch_backend.attend(query, caches[2], caches[3], meta, 0.125)
+
+    torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], caches[3], atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert out[meta.num_tokens :].abs().sum() == 0
+
+
+def test_write_kv_skips_negative_slots_and_refuses_slots_past_the_cache():
+    cache = torch.zeros(2, 16, NUM_KV_HEADS, 64)
+    rows = torch.ones(3, NUM_KV_HEADS, 64)
+    slots = torch.tensor([5, -1, 31])
+    torch.ops.tidegate_cpu.reshape_and_cache(rows, rows, cache, cache.clone(), slots)
+    flat = cache.view(-1, NUM_KV_HEADS, 64)
+    assert flat[5].eq(1).all() and flat[31].eq(1).all() and flat.sum() == 2 * NUM_KV_HEADS * 64
+
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.tidegate_cpu.reshape_and_cache(rows, rows, cache, cache, torch.tensor([32]))
+
+
+def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
+    query = torch.zeros(2, 2, 64)
+    cache = torch.zeros(1, 16, 2, 64)
+    starts = torch.tensor([0, 2], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    for seq_lens in ([1], [17]):  # shorter than its query; more blocks than its table has
+        with pytest.raises(RuntimeError, match="inconsistent metadata"):
+            torch.ops.tidegate_cpu.paged_attention(
+                query.clone(), query, cache, cache, starts,
+                torch.tensor(seq_lens, dtype=torch.int32), table, 1.0, 0, 0,
+            )  # fmt: skip
+
+
+def test_auto_picks_the_cpu_kernel_on_cpu_when_the_shapes_fit():
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu).name == "cpu"
+    assert get_attention_backend("cpu", cpu).name == "cpu"
+    # A head size the kernel was not built for: auto keeps the reference, cpu says why.
+    shape = {"head_dim": 48, "block_size": 16, "dtype": torch.float32}
+    assert get_attention_backend("auto", cpu, **shape).name == "torch"
+    with pytest.raises(ValueError, match="head size 48"):
+        get_attention_backend("cpu", cpu, **shape)
+
+
+@pytest.mark.slow
+def test_the_avx2_build_gives_the_same_results(tmp_path):
+    """The kernel compiled for AVX2 only (no AVX-512) on a mixed fp32 and bf16 batch."""
+    script = (
+        "import random, torch\n"
+        "from tests.engine.test_cpu_attention import run_case, TOLERANCE\n"
+        "from tests.engine.paged_attention_cases import mixed_chunks\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    out, ref = run_case(mixed_chunks(random.Random(3), 16), 128, 16, 4, dtype, 3)\n"
+        "    tol = TOLERANCE[dtype]\n"
+        "    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)\n"
+        "from tidegate.engine.attention.cpu_attention import cpu_kernel_isa\n"
+        "print(cpu_kernel_isa())\n"
+    )
+    env = {**os.environ, "TIDEGATE_CPU_ISA": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "avx2"
+
+
+def test_the_engine_gives_the_torch_backends_greedy_tokens(tiny_llama_dir):
+    shared = "The tide gate opens at dawn and closes at dusk, every day of the year, " * 2
+    prompts = [
+        shared + "while the keeper sleeps",  # long: prefilled in chunks
+        shared + "and the boats wait",  # the same prefix: cached blocks, context > 0
+        "Hi",
+        [5, 17, 99, 3, 250, 61, 7],
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    # A small step budget: prompts are chunked and decodes share steps with prefill chunks.
+    common = dict(dtype="float32", max_num_batched_tokens=40, long_prefill_token_threshold=24)
+    reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    llm = LLM(model=str(tiny_llama_dir), **common)  # auto
+    assert llm.engine.executor.worker.runner.attn_backend.name == "cpu"
+
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    assert got == expected
+    assert llm.stats()["prefix_cache_hits"] > 0
