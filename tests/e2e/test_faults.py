@@ -124,7 +124,7 @@ def test_full_queue_answers_429_then_sigterm_drains_and_exits_zero(tiny_llama_di
 
     async def run() -> tuple[httpx.Response, list[dict], list[dict]]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-            running = await open_stream(client, max_tokens=1000)
+            running = await open_stream(client, max_tokens=400)
             waiting = asyncio.ensure_future(open_stream(client, max_tokens=20))
             await asyncio.to_thread(
                 wait_for,
