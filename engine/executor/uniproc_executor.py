@@ -1,11 +1,28 @@
-"""One worker inside the calling process: the offline API and tests use this."""
+"""One worker inside the calling process: `tidegate serve` and the offline API at one rank."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
+
+
+def prepare_engine_core_process(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before torch loads in an engine core that will run its worker: idle OpenMP threads sleep.
+
+    OpenMP's idle threads spin for a while after each parallel region before they sleep.
+    Alone in a worker process that is cheap. Beside the engine core's socket threads it is
+    not: a socket thread that took the GIL while an op ran must wait for a core the spinning
+    threads hold, and the loop waits on it for the GIL after every op. On 2 cores that made
+    a decode step of the tiny model 9x slower than with the worker in its own process;
+    passive waiting made it faster than that (benchmarks/results/executor_backend.json).
+    OpenMP reads the variable when torch loads it; one the user set is kept.
+    """
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class UniProcExecutor(Executor):
@@ -19,7 +36,7 @@ class UniProcExecutor(Executor):
         kv_config: KVWorkerConfig | None = None,
     ) -> None:
         super().__init__(args, model_config, max_model_len, kv_config)
-        # Imported here so that an EngineCore with worker processes never imports torch.
+        # Imported here so that an engine core with worker processes never imports torch.
         from tidegate.engine.worker.worker import Worker
 
         self.worker = Worker(args, model_config, max_model_len, kv_config=kv_config)
