@@ -69,7 +69,7 @@ class EngineArgs(BaseModel):
         None,
         description="Where the workers run (vLLM's flag): uni runs the one worker inside the "
         "engine core process, mp runs one worker process per tensor-parallel rank. Default: uni "
-        "at tensor_parallel_size 1, mp above (benchmarks/results/executor_backend.json).",
+        "at tensor_parallel_size 1, mp above (benchmarks/results/executor_backend_small.json).",
     )
     data_parallel_size_local: int = Field(
         1,

@@ -64,7 +64,7 @@ def default_executor_class(args: EngineArgs) -> type[Executor]:
     """uni: the one worker runs in this process; mp: one worker process per rank.
 
     The same choice as vLLM V1's at world size 1: in-process saves a serialization and a
-    shared-memory round trip per step (benchmarks/results/executor_backend.json).
+    shared-memory round trip per step (benchmarks/results/executor_backend_small.json).
     """
     if args.executor_backend == "mp":
         from tidegate.engine.executor.multiproc_executor import MultiprocExecutor

@@ -15,12 +15,13 @@ def prepare_engine_core_process(environ: MutableMapping[str, str] = os.environ) 
     """Before torch loads in an engine core that will run its worker: idle OpenMP threads sleep.
 
     OpenMP's idle threads spin for a while after each parallel region before they sleep.
-    Alone in a worker process that is cheap. Beside the engine core's socket threads it is
-    not: a socket thread that took the GIL while an op ran must wait for a core the spinning
-    threads hold, and the loop waits on it for the GIL after every op. On 2 cores that made
-    a decode step of the tiny model 9x slower than with the worker in its own process;
-    passive waiting made it faster than that (benchmarks/results/executor_backend.json).
-    OpenMP reads the variable when torch loads it; one the user set is kept.
+    Alone in a worker process that is cheap. Beside the engine core's socket threads it was
+    not: on 2 cores a decode step of the tiny model took several times longer in-process
+    than in a worker process, and passive waiting made it the faster of the two
+    (benchmarks/results/executor_backend_tiny.json, the uni-spin arm). Our reading: torch
+    drops the GIL around every op, a socket thread takes it, then waits for a core that the
+    spinning threads hold, and the loop waits for the GIL. OpenMP reads the variable when
+    torch loads it; one the user set is kept.
     """
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
