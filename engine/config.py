@@ -64,8 +64,14 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = Field(
         1,
         ge=1,
-        description="Worker processes that each hold one shard of the model; must divide the "
-        "number of attention heads.",
+        description="Workers that each hold one shard of the model; must divide the number of "
+        "attention heads.",
+    )
+    distributed_executor_backend: Literal["uni", "mp"] | None = Field(
+        None,
+        description="Where the workers run (vLLM's flag): uni runs the one worker inside the "
+        "engine core process, mp runs one worker process per tensor-parallel rank. Default: uni "
+        "at tensor_parallel_size 1, mp above (benchmarks/results/executor_backend_small.json).",
     )
     data_parallel_size_local: int = Field(
         1,
@@ -126,6 +132,13 @@ class EngineArgs(BaseModel):
         "tensor_parallel_size times data_parallel_size_local.",
     )
 
+    @property
+    def executor_backend(self) -> Literal["uni", "mp"]:
+        """The distributed_executor_backend in force: the flag, else by tensor-parallel size."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
     def step_token_capacity(self, max_model_len: int) -> int:
         """Most tokens one step may compute: the budget, or a whole prompt when phased."""
         if self.scheduling_policy == "phased":
@@ -145,6 +158,12 @@ class EngineArgs(BaseModel):
             raise ValueError(
                 f"enforce_eager contradicts compilation_level {self.compilation_level}; "
                 "give one of them (enforce_eager is compilation_level 0)"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker, in the engine core; "
+                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' (one process "
+                "per rank)"
             )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(

@@ -158,6 +158,8 @@ class EngineCoreClient:
                 logger.warning("engine core pid %d did not stop; terminating it", process.pid)
                 process.terminate()
                 process.join(timeout=_SHUTDOWN_GRACE_S)
+        if process is not None:
+            logger.info("engine core pid %d exited with code %s", process.pid, process.exitcode)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()

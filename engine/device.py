@@ -42,13 +42,20 @@ def devices_of_core(
 
 
 def use_own_devices(args: EngineArgs, engine_index: int) -> None:
-    """On CUDA, give this engine core's workers (spawned later, they inherit it) their GPUs."""
+    """On CUDA, give this engine core's workers their GPUs, before CUDA starts in this process.
+
+    Worker processes spawned later inherit the variable. A worker inside this process (uni)
+    sees it only if CUDA has not started here yet: CUDA reads CUDA_VISIBLE_DEVICES once, and
+    torch.cuda.is_available() starts it. So this asks torch.cuda.device_count(), which counts
+    through NVML without starting CUDA, and never is_available().
+    """
     import torch
 
-    if resolve_device(args.device).type != "cuda":
-        return
+    count = torch.cuda.device_count()
+    if args.device == "cpu" or count == 0:
+        return  # no GPU: auto means CPU, and device "cuda" fails in resolve_device
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    ids = visible.split(",") if visible else [str(i) for i in range(count)]
     os.environ["CUDA_VISIBLE_DEVICES"] = devices_of_core(
         engine_index, args.data_parallel_size_local, args.tensor_parallel_size, ids
     )

@@ -61,8 +61,12 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
 
 
 def default_executor_class(args: EngineArgs) -> type[Executor]:
-    """One worker runs in this process; tensor-parallel ranks run in worker processes."""
-    if args.tensor_parallel_size > 1:
+    """uni: the one worker runs in this process; mp: one worker process per rank.
+
+    The same choice as vLLM V1's at world size 1: in-process saves a serialization and a
+    shared-memory round trip per step (benchmarks/results/executor_backend_small.json).
+    """
+    if args.executor_backend == "mp":
         from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor

@@ -3,6 +3,8 @@
 The loop owns the scheduler; two I/O threads own the sockets (ZMQ sockets are not
 thread-safe) and spend their time in msgspec and ZMQ, which release the GIL. When no
 request is unfinished the loop blocks on its input queue, so an idle engine uses no CPU.
+At one tensor-parallel rank the loop also runs the model (the worker is in this process);
+an exception out of a step ends the loop as a dead worker process does: engine_dead, exit 1.
 """
 
 from __future__ import annotations
@@ -58,11 +60,14 @@ def run_engine_core(
     requests.connect(input_address)
     try:
         from tidegate.engine.device import use_own_devices
-        from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
+        from tidegate.engine.executor.uniproc_executor import prepare_engine_core_process
 
+        if args.executor_backend == "uni":
+            prepare_engine_core_process()  # before anything here loads torch
         if args.data_parallel_size_local > 1:
             use_own_devices(args, engine_index)
-        engine = EngineCore(args, executor_class=MultiprocExecutor, engine_index=engine_index)
+        # At one rank the worker runs in this process (uni), else in worker processes (mp).
+        engine = EngineCore(args, engine_index=engine_index)
     except Exception as error:
         detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
         logger.error("engine core %d failed to start: %s", engine_index, detail)
@@ -105,8 +110,13 @@ class EngineCoreProc:
         threads = [
             threading.Thread(target=self._receive, args=(requests,), name="input", daemon=True),
             threading.Thread(target=self._send, args=(outputs,), name="output", daemon=True),
-            threading.Thread(target=self._watch_workers, name="worker-watch", daemon=True),
         ]
+        if self.engine.executor.sentinels:
+            # Worker processes to watch. An in-process worker's faults are exceptions out of
+            # step(), which end the loop below.
+            threads.append(
+                threading.Thread(target=self._watch_workers, name="worker-watch", daemon=True)
+            )
         for thread in threads:
             thread.start()
         code = 0
@@ -120,7 +130,12 @@ class EngineCoreProc:
         self._shutting_down.set()
         self.output_queue.put(_STOP_SENDING)
         threads[1].join(timeout=5.0)
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        except Exception:
+            # An in-process worker that failed a step may fail to stop too; exit all the same.
+            logger.exception("engine core %d did not shut down cleanly", self.engine_index)
+            code = 1
         return code
 
     # -- the loop -------------------------------------------------------------------------

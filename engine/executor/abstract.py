@@ -44,6 +44,18 @@ class Executor(ABC):
     def update_kv_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:
         """Tell every worker which transfers it may serve, before any later step runs."""
 
+    @property
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a worker process exits (none in-process).
+
+        An in-process worker cannot die on its own: its faults are exceptions raised by the
+        call that met them, which end the engine core's loop like a dead worker does.
+        """
+        return []
+
+    def check_alive(self) -> None:  # noqa: B027 - an in-process worker is alive while we are
+        """Raise EngineDeadError if a worker process has exited."""
+
     @abstractmethod
     def describe(self) -> str:
         """Where the model runs, for the startup log line."""

@@ -14,6 +14,7 @@ from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, 
 from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.worker.fault_injection import StepFaultTrigger
 from tidegate.engine.worker.malloc import keep_temporaries_off_mmap
 from tidegate.engine.worker.model_runner import ModelRunner
 
@@ -61,6 +62,7 @@ class Worker:
                 time.perf_counter() - start,
                 self.runner.num_packed_linears,
             )
+        self._fault = StepFaultTrigger()  # tests only: TIDEGATE_TEST_FAULT_SIGNAL
         self.kv_connector: KVConnectorWorker | None = None
         if kv_config is not None:
             self.kv_connector = create_worker_connector(
@@ -115,6 +117,7 @@ class Worker:
                 )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._fault.check()
         meta = scheduler_output.kv_connector_metadata
         if meta is not None and self.kv_connector is not None:
             # Pulled KV lands in the cache before the forward pass that reads it.

@@ -92,3 +92,20 @@ def test_disaggregated_compares_unified_and_producer_consumer(tmp_path):
     assert result["config"]["cores"]["consumer"] == result["config"]["cores"]["unified"]
     assert result["finding"]
     assert "<!-- disaggregated -->" in readme and "| disaggregated |" in readme
+
+
+@pytest.mark.slow
+def test_executor_backend_alternates_uni_and_mp(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nhand-written text stays\n")
+    command = [sys.executable, str(BENCHMARKS / "executor_backend.py"), "--smoke"]
+    command += ["--out-dir", str(tmp_path), "--readme", str(readme)]
+    subprocess.run(command, check=True, timeout=300)
+    result = json.loads((tmp_path / "executor_backend_tiny.json").read_text())
+    assert [run["backend"] for run in result["runs"]] == ["uni", "mp"]
+    assert set(result["median"]) == {"uni", "mp"}
+    for run in result["runs"]:
+        assert run["one_stream"]["output_tokens_per_s"] > 0
+        assert run["burst"]["output_tokens_per_s"] > 0
+    text = readme.read_text()
+    assert "hand-written text stays" in text and "<!-- executor-backend-tiny -->" in text

@@ -16,10 +16,12 @@ STARTUP_DEADLINE_S = 90.0
 class ServerProcess(LocalServer):
     """`tidegate serve --model DIR --dtype float32 ...` on 127.0.0.1."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, *flags: str) -> None:
+    def __init__(
+        self, model_dir: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None
+    ) -> None:
         port = free_port()
         command = serve_command(model_dir, "--dtype", "float32", *flags, port=port)
-        super().__init__(command, port, log=log_dir / f"serve-{port}.log")
+        super().__init__(command, port, log=log_dir / f"serve-{port}.log", env=env)
 
     def wait_healthy(self, deadline_s: float = STARTUP_DEADLINE_S) -> ServerProcess:  # type: ignore[override]
         try:

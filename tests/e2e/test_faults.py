@@ -14,24 +14,52 @@ import pytest
 from tests.e2e.client import HEADERS, metric, open_stream, wait_for
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
+from tidegate.engine.worker.fault_injection import FAULT_SIGNAL_ENV
+
+# Worker processes even at one rank: the tests that kill a worker process run this path.
+MP = ("--distributed-executor-backend", "mp")
+# A step of the model raises once the process that runs it gets SIGUSR1 (test-only hook).
+STEP_FAULT = {FAULT_SIGNAL_ENV: "USR1"}
 
 
-def start_server(tiny_llama_dir: Path, tmp_path: Path, *flags: str) -> ServerProcess:
+def start_server(
+    tiny_llama_dir: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> ServerProcess:
     return ServerProcess(
-        tiny_llama_dir, tmp_path, "--served-model-name", SERVED_NAME, "--api-key", API_KEY, *flags
+        tiny_llama_dir,
+        tmp_path,
+        "--served-model-name",
+        SERVED_NAME,
+        "--api-key",
+        API_KEY,
+        *flags,
+        env=env,
     ).wait_healthy()
 
 
-def test_api_server_engine_core_and_worker_are_named_processes(server):
+def test_at_one_rank_the_model_runs_in_the_named_engine_core(server):
     children = server.children()
-    assert set(children) >= {"tidegate::engine_core_0", "tidegate::worker_tp0"}
+    assert set(children) == {"tidegate::engine_core_0"}  # no worker process (uni)
     api = psutil.Process(server.process.pid)
     assert " ".join(api.cmdline()).strip() == "tidegate::api"
-    pids = {api.pid, *(child.pid for child in children.values())}
-    assert len(pids) == 3
-    worker = children["tidegate::worker_tp0"]
-    assert worker.ppid() == children["tidegate::engine_core_0"].pid
-    assert worker.name().startswith("tidegate::work")  # `top` shows the 15-byte comm
+    assert children["tidegate::engine_core_0"].ppid() == api.pid
+    assert "compilation level" in server.log() and "worker process" not in server.log()
+
+
+def test_with_worker_processes_api_engine_core_and_worker_are_named(tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir, tmp_path, *MP)
+    try:
+        children = server.children()
+        assert set(children) == {"tidegate::engine_core_0", "tidegate::worker_tp0"}
+        api = psutil.Process(server.process.pid)
+        assert " ".join(api.cmdline()).strip() == "tidegate::api"
+        pids = {api.pid, *(child.pid for child in children.values())}
+        assert len(pids) == 3
+        worker = children["tidegate::worker_tp0"]
+        assert worker.ppid() == children["tidegate::engine_core_0"].pid
+        assert worker.name().startswith("tidegate::work")  # `top` shows the 15-byte comm
+    finally:
+        assert server.stop() == 0
 
 
 def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_path):
@@ -65,19 +93,48 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_pa
         server.stop()
 
 
-def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir, tmp_path):
-    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::engine_core_0")
+@pytest.mark.parametrize("flags", [(), MP], ids=["uni", "mp"])
+def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(
+    tiny_llama_dir, tmp_path, flags
+):
+    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::engine_core_0", flags)
 
 
 def test_worker_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir, tmp_path):
-    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::worker_tp0")
+    _assert_death_is_fatal(tiny_llama_dir, tmp_path, "tidegate::worker_tp0", MP)
 
 
-def _assert_death_is_fatal(model_dir: Path, tmp_path: Path, victim_title: str) -> None:
-    server = start_server(model_dir, tmp_path)
+@pytest.mark.parametrize(
+    ("flags", "victim"),
+    [((), "tidegate::engine_core_0"), (MP, "tidegate::worker_tp0")],
+    ids=["uni", "mp"],
+)
+def test_a_step_that_raises_fails_requests_and_the_server_exits_1(
+    tiny_llama_dir, tmp_path, flags, victim
+):
+    # uni: the exception ends the engine core's loop; mp: the worker reports it and exits 1.
+    log = _assert_death_is_fatal(
+        tiny_llama_dir, tmp_path, victim, flags, signal.SIGUSR1, env=STEP_FAULT
+    )
+    assert "InjectedStepFault" in log
+
+
+def _assert_death_is_fatal(
+    model_dir: Path,
+    tmp_path: Path,
+    victim_title: str,
+    flags: tuple[str, ...],
+    sig: signal.Signals = signal.SIGKILL,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Fault `victim_title` with `sig` under load; return the server's log."""
+    server = start_server(model_dir, tmp_path, *flags, env=env)
     try:
         victim = server.children()[victim_title]
+        core = server.children()["tidegate::engine_core_0"]
         others = [p for t, p in server.children().items() if t != victim_title]
+        if sig != signal.SIGKILL:
+            others.append(victim)  # it is to exit by itself
 
         async def run() -> tuple[list[list[dict]], httpx.Response, float]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
@@ -98,7 +155,7 @@ def _assert_death_is_fatal(model_dir: Path, tmp_path: Path, victim_title: str) -
                 )
                 await asyncio.sleep(0)  # let the request go out before the kill
                 killed_at = time.monotonic()
-                victim.send_signal(signal.SIGKILL)
+                victim.send_signal(sig)
                 events = [await stream.rest() for stream in streams]
                 return events, await pending, killed_at
 
@@ -110,9 +167,13 @@ def _assert_death_is_fatal(model_dir: Path, tmp_path: Path, victim_title: str) -
         assert "error" in pending.json()
         code = server.wait_exit(timeout=15)
         assert time.monotonic() - killed_at < 15
-        assert code != 0
+        assert code == 1
         psutil.wait_procs(others, timeout=10)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in others)
+        log = server.log()
+        if sig != signal.SIGKILL:
+            assert f"engine core pid {core.pid} exited with code 1" in log
+        return log
     finally:
         server.stop()
 
@@ -159,10 +220,13 @@ def test_full_queue_answers_429_then_sigterm_drains_and_exits_zero(tiny_llama_di
     server.stop()
 
 
-def test_api_server_death_takes_the_engine_processes_with_it(tiny_llama_dir, tmp_path):
-    server = start_server(tiny_llama_dir, tmp_path)
+@pytest.mark.parametrize(("flags", "processes"), [((), 1), (MP, 2)], ids=["uni", "mp"])
+def test_api_server_death_takes_the_engine_processes_with_it(
+    tiny_llama_dir, tmp_path, flags, processes
+):
+    server = start_server(tiny_llama_dir, tmp_path, *flags)
     children = list(server.children().values())
-    assert len(children) == 2
+    assert len(children) == processes
     server.process.send_signal(signal.SIGKILL)
     server.wait_exit(timeout=10)
     _, alive = psutil.wait_procs(children, timeout=15)

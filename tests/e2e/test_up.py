@@ -22,10 +22,13 @@ DISAGGREGATED = REPO / "examples" / "disaggregated-tiny.yaml"
 NAME = "tiny-llama"  # the examples' served model name
 
 
-def up(example: Path, model_dir: Path, logs: Path) -> LocalServer:
+def up(
+    example: Path, model_dir: Path, logs: Path, env: dict[str, str] | None = None
+) -> LocalServer:
     port = free_port()
     command = [*tidegate_command(), "up", "-f", str(example), "--model-dir", str(model_dir)]
-    return LocalServer([*command, "--port", str(port)], port, log=logs / f"up-{example.stem}.log")
+    log = logs / f"up-{example.stem}.log"
+    return LocalServer([*command, "--port", str(port)], port, log=log, env=env)
 
 
 def wait_serving(server: LocalServer) -> None:

@@ -1,4 +1,5 @@
-"""SIGKILL of each process of a disaggregated deployment under `tidegate up`.
+"""SIGKILL of each process of a disaggregated deployment under `tidegate up`, and a model step
+that raises in the decode pod's engine core (its worker runs there at TP=1).
 
 For every victim, with streaming and non-streaming requests in flight through the endpoint
 (the router): each request ends in a clean error, or goes on untouched, and none hangs; the
@@ -31,6 +32,7 @@ import pytest
 
 from tests.e2e.test_up import DISAGGREGATED, NAME, UNIFIED, up, wait_serving
 from tidegate.common.local_server import LocalServer
+from tidegate.engine.worker.fault_injection import FAULT_SIGNAL_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +70,14 @@ def test_the_pods_stop_when_up_itself_is_killed(tiny_llama_dir: Path, tmp_path: 
 
 @dataclass(frozen=True)
 class Fault:
-    """One process to SIGKILL, and what the clients and the supervisor see."""
+    """One process to signal, and what the clients and the supervisor see."""
 
     role: str  # the pod of the victim: prefill, decode or router
     title: str  # the victim's process title
     streams: str  # open streams: "error" (an error event, then [DONE]), "go on" or "cut"
     pending: str  # requests not answered yet: "503" (OpenAI's error body) or "cut"
     exit_code: str  # the pod's exit as up reports it, the way Kubernetes shows a container's
+    sig: signal.Signals = signal.SIGKILL  # SIGUSR1: the victim's next model step raises
 
 
 FAULTS = [
@@ -83,7 +86,8 @@ FAULTS = [
     # prefill leg get a 503 with Retry-After: the router does not move the prompt to a
     # decode instance (docs/disaggregated.md says why).
     Fault("prefill", "tidegate::api", "go on", "503", "137 (SIGKILL)"),
-    Fault("decode", "tidegate::worker_tp0", "error", "503", "1"),
+    # At TP=1 the decode pod's worker runs inside its engine core: a step that raises there.
+    Fault("decode", "tidegate::engine_core_0", "error", "503", "1", signal.SIGUSR1),
     # The clients' connections were the router's: their closing is all a client can see.
     Fault("router", "tidegate::router", "cut", "cut", "137 (SIGKILL)"),
     Fault("decode", "tidegate::api", "error", "503", "137 (SIGKILL)"),
@@ -144,7 +148,8 @@ def deployment(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     """The disaggregated example under `tidegate up`; nothing it ran is left once it stops."""
-    server = up(DISAGGREGATED, tiny_llama_dir, tmp_path_factory.mktemp("up-faults"))
+    logs = tmp_path_factory.mktemp("up-faults")
+    server = up(DISAGGREGATED, tiny_llama_dir, logs, env={FAULT_SIGNAL_ENV: "USR1"})
     try:
         wait_serving(server)
         deployment = Deployment(server)
@@ -254,7 +259,7 @@ async def kill_under_load(deployment: Deployment, fault: Fault) -> Outcome:
         pending = [asyncio.ensure_future(post(body)) for body in bodies]
         await asyncio.to_thread(wait_until, in_flight, QUICK_S, "the requests to be in flight")
 
-        deployment.process(fault.role, fault.title).send_signal(signal.SIGKILL)
+        deployment.process(fault.role, fault.title).send_signal(fault.sig)
         killed_at = time.monotonic()
         if held is not None:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -304,7 +309,7 @@ def wait_answering(deployment: Deployment) -> None:
     raise AssertionError(f"not answering {RECOVERY_DEADLINE_S} s on:\n{deployment.log()}")
 
 
-@pytest.mark.parametrize("fault", FAULTS, ids=[f"{f.role} {f.title}" for f in FAULTS])
+@pytest.mark.parametrize("fault", FAULTS, ids=[f"{f.role} {f.title} {f.sig.name}" for f in FAULTS])
 def test_a_killed_process_fails_requests_cleanly_exits_nonzero_and_is_restarted(
     deployment: Deployment, fault: Fault
 ) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import pytest
 
 from tidegate.engine import LLM, SamplingParams
+from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.block_hash import extend_block_hashes
 from tidegate.engine.core.request import Request
 from tidegate.engine.data_parallel import DataParallelRouter
-from tidegate.engine.device import devices_of_core
+from tidegate.engine.device import devices_of_core, use_own_devices
 from tidegate.engine.messages import SchedulerStats
 
 BLOCK_SIZE = 4
@@ -134,3 +136,31 @@ def test_each_engine_core_gets_its_own_slice_of_the_gpus():
     assert devices_of_core(1, 2, 2, visible) == "2,3"
     with pytest.raises(ValueError, match="needs 6 CUDA devices; 5 are visible"):
         devices_of_core(0, 3, 2, visible)
+
+
+def test_an_engine_core_takes_its_gpus_without_starting_cuda(monkeypatch):
+    # An in-process worker (uni) reads CUDA_VISIBLE_DEVICES when CUDA starts in the engine
+    # core: setting it after is_available() (which starts CUDA) would give every core GPU 0.
+    import torch
+
+    def starts_cuda() -> bool:
+        raise AssertionError("is_available() starts CUDA before the devices are chosen")
+
+    monkeypatch.setattr(torch.cuda, "is_available", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # NVML's count
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # unset; restored after the test
+    args = EngineArgs(model="m", data_parallel_size_local=4)
+    use_own_devices(args, engine_index=2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    use_own_devices(args.model_copy(update={"data_parallel_size_local": 2}), engine_index=1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+def test_without_gpus_the_devices_are_left_alone(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    use_own_devices(EngineArgs(model="m", data_parallel_size_local=2), engine_index=1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
