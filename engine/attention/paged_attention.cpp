@@ -396,6 +396,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     (sl[i] + block_size - 1) / block_size <= p.max_blocks,
                 "paged_attention: sequence ", i, " has inconsistent metadata");
     if (max_query_len > 0 && query_len > max_query_len) continue;  // the caller's to do
+    // Every block the kernel will read must be in the cache: a stale or -1 entry within the
+    // sequence's length is a bug upstream, refused here rather than read out of bounds.
+    const int32_t* row = block_table.const_data_ptr<int32_t>() + i * p.bt_row;
+    for (int64_t b = 0; b < (sl[i] + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "paged_attention: sequence ", i,
+                  " names block ", row[b], " of a ", k_cache.size(0), "-block cache");
+    }
     for (int64_t first = 0; first < query_len; first += kQueryTile) {
       items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(first)});
     }

@@ -171,6 +171,19 @@ def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
             )  # fmt: skip
 
 
+def test_a_block_id_outside_the_cache_is_refused():
+    query = torch.zeros(1, 2, 64)
+    cache = torch.zeros(2, 16, 2, 64)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([20], dtype=torch.int32)  # two blocks: the second is bad
+    for bad in (2, -1):
+        table = torch.tensor([[0, bad]], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=f"names block {bad} of a 2-block cache"):
+            torch.ops.tidegate_cpu.paged_attention(
+                query.clone(), query, cache, cache, starts, seq_lens, table, 1.0, 0, 0
+            )
+
+
 def test_auto_picks_the_cpu_kernel_on_cpu_when_the_shapes_fit():
     cpu = torch.device("cpu")
     assert get_attention_backend("auto", cpu).name == "cpu"
