@@ -123,7 +123,7 @@ def check_kv_transfer(
 
 async def start_generation(
     engine: EngineClient, subs: Sequence[SubRequest]
-) -> MergedIterators[RequestOutput]:
+) -> MergedIterators[list[RequestOutput]]:
     """Submit every sub-request and wait for each one's first output.
 
     Overload (raised on the first output) and engine death thus surface before a response
@@ -153,6 +153,10 @@ class ChoiceState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
     def add(self, output: RequestOutput) -> None:
         """Fold in one delta output."""
         completion = output.outputs[0]
@@ -173,12 +177,15 @@ class ChoiceState:
         return "".join(self.text_parts)
 
 
-async def collect(merged: MergedIterators[RequestOutput], num_choices: int) -> list[ChoiceState]:
+async def collect(
+    merged: MergedIterators[list[RequestOutput]], num_choices: int
+) -> list[ChoiceState]:
     """Run every sub-request to the end (non-streaming responses)."""
     states = [ChoiceState() for _ in range(num_choices)]
     try:
-        async for index, output in merged:
-            states[index].add(output)
+        async for index, outputs in merged:
+            for output in outputs:
+                states[index].add(output)
     finally:
         await merged.aclose()
     return states

@@ -120,31 +120,53 @@ class ChatServing:
         self,
         body: ChatCompletionRequest,
         header: ChatCompletionChunk,
-        merged: MergedIterators[RequestOutput],
+        merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
-    ) -> AsyncIterator[ChatCompletionChunk]:
+    ) -> AsyncIterator[list[ChatCompletionChunk]]:
+        """The chunks, one list per write: the roles, then every delta ready since the last."""
         states = [ChoiceState() for _ in range(num_choices)]
+        usage_sent = not body.include_usage
         try:
-            for index in range(num_choices):
-                role = DeltaMessage(role="assistant", content="")
-                yield header.model_copy(
-                    update={"choices": [ChatStreamChoice(index=index, delta=role)]}
-                )
-            async for index, output in merged:
-                states[index].add(output)
-                delta = output.outputs[0]
-                has_logprobs = body.logprobs and bool(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and not has_logprobs:
-                    continue  # a held-back stop-string prefix: nothing to show yet
-                choice = ChatStreamChoice(
-                    index=index,
-                    delta=DeltaMessage(content=delta.text or None),
-                    logprobs=self._logprobs(body, delta.token_ids, delta.logprobs or []),
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield header.model_copy(update={"choices": [choice]})
-            if body.include_usage:
-                yield header.model_copy(update={"usage": usage(states, body.n)})
+            role = DeltaMessage(role="assistant", content="")
+            yield [
+                header.model_copy(update={"choices": [ChatStreamChoice(index=index, delta=role)]})
+                for index in range(num_choices)
+            ]
+            while ready := await merged.next_batch():
+                chunks = []
+                for index, outputs in ready:
+                    for output in outputs:
+                        states[index].add(output)
+                        chunk = self._chunk(body, header, index, output)
+                        if chunk is not None:
+                            chunks.append(chunk)
+                if not usage_sent and all(state.finished for state in states):
+                    chunks.append(header.model_copy(update={"usage": usage(states, body.n)}))
+                    usage_sent = True
+                if chunks:
+                    yield chunks
+            if not usage_sent:
+                yield [header.model_copy(update={"usage": usage(states, body.n)})]
         finally:
             await merged.aclose()
+
+    def _chunk(
+        self,
+        body: ChatCompletionRequest,
+        header: ChatCompletionChunk,
+        index: int,
+        output: RequestOutput,
+    ) -> ChatCompletionChunk | None:
+        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        delta = output.outputs[0]
+        has_logprobs = body.logprobs and bool(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not has_logprobs:
+            return None
+        choice = ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=self._logprobs(body, delta.token_ids, delta.logprobs or []),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        return header.model_copy(update={"choices": [choice]})

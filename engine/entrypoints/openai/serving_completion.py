@@ -95,32 +95,53 @@ class CompletionServing:
         self,
         body: CompletionRequest,
         header: CompletionResponse,
-        merged: MergedIterators[RequestOutput],
+        merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
-    ) -> AsyncIterator[CompletionResponse]:
+    ) -> AsyncIterator[list[CompletionResponse]]:
+        """The chunks, one list per write: every delta ready since the last (usage with the end)."""
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
+        usage_sent = not body.include_usage
         try:
-            async for index, output in merged:
-                states[index].add(output)
-                delta = output.outputs[0]
-                has_logprobs = body.logprobs is not None and bool(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and not has_logprobs:
-                    continue  # a held-back stop-string prefix: nothing to show yet
-                logprobs = self._logprobs(
-                    body, delta.token_ids, delta.logprobs or [], text_offsets[index]
-                )
-                if logprobs is not None:
-                    text_offsets[index] += sum(len(token) for token in logprobs.tokens)
-                choice = CompletionChoice(
-                    index=index,
-                    text=delta.text,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield header.model_copy(update={"choices": [choice]})
-            if body.include_usage:
-                yield header.model_copy(update={"usage": usage(states, body.n)})
+            while ready := await merged.next_batch():
+                chunks = []
+                for index, outputs in ready:
+                    for output in outputs:
+                        states[index].add(output)
+                        chunk = self._chunk(body, header, index, output, text_offsets)
+                        if chunk is not None:
+                            chunks.append(chunk)
+                if not usage_sent and all(state.finished for state in states):
+                    chunks.append(header.model_copy(update={"usage": usage(states, body.n)}))
+                    usage_sent = True
+                if chunks:
+                    yield chunks
+            if not usage_sent:
+                yield [header.model_copy(update={"usage": usage(states, body.n)})]
         finally:
             await merged.aclose()
+
+    def _chunk(
+        self,
+        body: CompletionRequest,
+        header: CompletionResponse,
+        index: int,
+        output: RequestOutput,
+        text_offsets: list[int],
+    ) -> CompletionResponse | None:
+        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        delta = output.outputs[0]
+        has_logprobs = body.logprobs is not None and bool(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not has_logprobs:
+            return None
+        logprobs = self._logprobs(body, delta.token_ids, delta.logprobs or [], text_offsets[index])
+        if logprobs is not None:
+            text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        return header.model_copy(update={"choices": [choice]})
