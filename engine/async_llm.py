@@ -282,10 +282,14 @@ class AsyncLLM:
                         f"(--max-waiting-requests {client.max_waiting_requests}); retry later"
                     )
                 )
+        num_generated = 0
         for out in batch.outputs:
             stream = self._streams.get(out.req_id)
             if stream is not None:
                 self._record_tokens(stream, len(out.new_token_ids), out.queue_time, now)
+                num_generated += len(out.new_token_ids)
+        if num_generated and self.metrics is not None:  # one count per step, not per request
+            self.metrics.record_tokens(0, num_generated, batch.engine_index)
         request_outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stopped by a stop string, which only the API side sees
             self._in_background(client.abort_requests(to_abort))
@@ -313,8 +317,6 @@ class AsyncLLM:
             self.metrics.record_inter_token(now - stream.last_token_time, stream.engine_index)
         stream.last_token_time = now
         stream.num_generation_tokens += num_new
-        if self.metrics is not None:
-            self.metrics.record_tokens(0, num_new, stream.engine_index)
 
     def _record_finished(self, stream: _Stream, reason: str, now: float | None = None) -> None:
         if self.metrics is None:
