@@ -19,6 +19,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     request_ids,
     run_to_completion,
     start_generation,
+    stream_chunks,
     usage,
 )
 from tidegate.engine.entrypoints.openai.logprobs import chat_logprobs
@@ -123,32 +124,27 @@ class ChatServing:
         merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
     ) -> AsyncIterator[list[ChatCompletionChunk]]:
-        """The chunks, one list per write: the roles, then every delta ready since the last."""
+        """The role of every choice in one write, then the deltas as they come."""
         states = [ChoiceState() for _ in range(num_choices)]
-        usage_sent = not body.include_usage
+
+        def chunk(index: int, output: RequestOutput) -> ChatCompletionChunk | None:
+            return self._chunk(body, header, index, output)
+
+        def usage_chunk() -> ChatCompletionChunk:
+            return header.model_copy(update={"usage": usage(states, body.n)})
+
+        deltas = stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
         try:
             role = DeltaMessage(role="assistant", content="")
             yield [
                 header.model_copy(update={"choices": [ChatStreamChoice(index=index, delta=role)]})
                 for index in range(num_choices)
             ]
-            while ready := await merged.next_batch():
-                chunks = []
-                for index, outputs in ready:
-                    for output in outputs:
-                        states[index].add(output)
-                        chunk = self._chunk(body, header, index, output)
-                        if chunk is not None:
-                            chunks.append(chunk)
-                if not usage_sent and all(state.finished for state in states):
-                    chunks.append(header.model_copy(update={"usage": usage(states, body.n)}))
-                    usage_sent = True
-                if chunks:
-                    yield chunks
-            if not usage_sent:
-                yield [header.model_copy(update={"usage": usage(states, body.n)})]
+            async for chunks in deltas:
+                yield chunks
         finally:
-            await merged.aclose()
+            await deltas.aclose()
+            await merged.aclose()  # deltas closes it too, unless it never started
 
     def _chunk(
         self,

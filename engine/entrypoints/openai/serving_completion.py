@@ -18,6 +18,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     request_ids,
     run_to_completion,
     start_generation,
+    stream_chunks,
     usage,
 )
 from tidegate.engine.entrypoints.openai.logprobs import completion_logprobs
@@ -91,35 +92,23 @@ class CompletionServing:
             self.engine.tokenizer, token_ids, logprobs, body.logprobs, text_offset
         )
 
-    async def _stream(
+    def _stream(
         self,
         body: CompletionRequest,
         header: CompletionResponse,
         merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
     ) -> AsyncIterator[list[CompletionResponse]]:
-        """The chunks, one list per write: every delta ready since the last (usage with the end)."""
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
-        usage_sent = not body.include_usage
-        try:
-            while ready := await merged.next_batch():
-                chunks = []
-                for index, outputs in ready:
-                    for output in outputs:
-                        states[index].add(output)
-                        chunk = self._chunk(body, header, index, output, text_offsets)
-                        if chunk is not None:
-                            chunks.append(chunk)
-                if not usage_sent and all(state.finished for state in states):
-                    chunks.append(header.model_copy(update={"usage": usage(states, body.n)}))
-                    usage_sent = True
-                if chunks:
-                    yield chunks
-            if not usage_sent:
-                yield [header.model_copy(update={"usage": usage(states, body.n)})]
-        finally:
-            await merged.aclose()
+
+        def chunk(index: int, output: RequestOutput) -> CompletionResponse | None:
+            return self._chunk(body, header, index, output, text_offsets)
+
+        def usage_chunk() -> CompletionResponse:
+            return header.model_copy(update={"usage": usage(states, body.n)})
+
+        return stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
 
     def _chunk(
         self,
