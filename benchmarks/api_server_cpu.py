@@ -126,11 +126,11 @@ def main() -> None:
         "output_len": output_len,
         "scenarios": {name: {"requests": r // scale, "n": n} for name, (r, n) in SCENARIOS.items()},
         "cpu_ms_per_token": {
-            name: statistics.median(s[name]["cpu_ms_per_token"] for s in samples)
+            name: round(statistics.median(s[name]["cpu_ms_per_token"] for s in samples), 4)
             for name in SCENARIOS
         },
-        "load_average_1m": statistics.median(
-            s[name]["load_average_1m"] for s in samples for name in SCENARIOS
+        "load_average_1m": round(
+            statistics.median(s[name]["load_average_1m"] for s in samples for name in SCENARIOS), 2
         ),
         "machine": machine(),
         "runs": samples,
