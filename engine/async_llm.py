@@ -23,7 +23,7 @@ from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
-from tidegate.engine.output_processor import OutputProcessor
+from tidegate.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tidegate.engine.outputs import RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 
@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """One live request on the API side: its output queue and its timings."""
+    """One live request on the API side: its outputs waiting to be read, and its timings."""
 
     num_prompt_tokens: int
     arrival_time: float
     engine_index: int
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: RequestOutputCollector = field(default_factory=RequestOutputCollector)
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
@@ -154,9 +154,11 @@ class AsyncLLM:
 
     async def generate(
         self, request: EngineCoreRequest, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[list[RequestOutput]]:
         """Submit a validated request and yield its deltas until it finishes.
 
+        Each item is every delta that arrived since the last (one per engine step, in order;
+        several when the consumer fell behind), so that the consumer can write them at once.
         Closing the iterator early (the client went away) aborts the request in the engine,
         and so does --request-timeout running out, which raises RequestTimeoutError.
         """
@@ -175,14 +177,23 @@ class AsyncLLM:
         try:
             await client.add_request(request)
             while True:
-                item = await self._next_output(stream)
-                if isinstance(item, BaseException):
+                outputs: list[RequestOutput] = []
+                error: BaseException | None = None
+                for item in await self._next_outputs(stream):
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    outputs.append(item)
+                    if item.finished:
+                        break
+                if outputs:
+                    finished = outputs[-1].finished
+                    yield outputs
+                    if finished:
+                        return
+                if error is not None:
                     finished = True  # the engine already forgot it (rejected or dead)
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                    raise error
         finally:
             self._streams.pop(request_id, None)
             # Still tracked means still running: a request whose last output waits unread in
@@ -191,12 +202,17 @@ class AsyncLLM:
                 self._record_finished(stream, "abort")
                 self._in_background(client.abort_requests([request_id]))
 
-    async def _next_output(self, stream: _Stream) -> RequestOutput | BaseException:
+    async def _next_outputs(self, stream: _Stream) -> list[RequestOutput | BaseException]:
         if self.request_timeout is None:
             return await stream.queue.get()
-        left = stream.arrival_time + self.request_timeout - time.monotonic()
+        deadline = stream.arrival_time + self.request_timeout  # the loop's clock is monotonic
+        if time.monotonic() >= deadline:
+            raise RequestTimeoutError(self.request_timeout)
+        if stream.queue:
+            return await stream.queue.get()  # ready: no timer (wait_for would start a task)
         try:
-            return await asyncio.wait_for(stream.queue.get(), max(left, 0.0))
+            async with asyncio.timeout_at(deadline):
+                return await stream.queue.get()
         except TimeoutError:
             raise RequestTimeoutError(self.request_timeout) from None
 
@@ -205,7 +221,7 @@ class AsyncLLM:
         output = self.output_processor.abort(request_id)
         stream = self._streams.get(request_id)
         if stream is not None and output is not None:
-            stream.queue.put_nowait(output)
+            stream.queue.put(output)
             self._record_finished(stream, "abort")
         # A request this server no longer tracks may be anywhere: tell every core.
         clients = [self.clients[stream.engine_index]] if stream is not None else self.clients
@@ -260,16 +276,20 @@ class AsyncLLM:
             self.output_processor.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.queue.put_nowait(
+                stream.queue.put(
                     EngineOverloadedError(
                         "the server's waiting queue is full "
                         f"(--max-waiting-requests {client.max_waiting_requests}); retry later"
                     )
                 )
+        num_generated = 0
         for out in batch.outputs:
             stream = self._streams.get(out.req_id)
             if stream is not None:
                 self._record_tokens(stream, len(out.new_token_ids), out.queue_time, now)
+                num_generated += len(out.new_token_ids)
+        if num_generated and self.metrics is not None:  # one count per step, not per request
+            self.metrics.record_tokens(0, num_generated, batch.engine_index)
         request_outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stopped by a stop string, which only the API side sees
             self._in_background(client.abort_requests(to_abort))
@@ -277,7 +297,7 @@ class AsyncLLM:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(output)
+            stream.queue.put(output)
             if output.finished:
                 self._record_finished(stream, output.outputs[0].finish_reason or "stop", now)
 
@@ -297,8 +317,6 @@ class AsyncLLM:
             self.metrics.record_inter_token(now - stream.last_token_time, stream.engine_index)
         stream.last_token_time = now
         stream.num_generation_tokens += num_new
-        if self.metrics is not None:
-            self.metrics.record_tokens(0, num_new, stream.engine_index)
 
     def _record_finished(self, stream: _Stream, reason: str, now: float | None = None) -> None:
         if self.metrics is None:
@@ -317,7 +335,7 @@ class AsyncLLM:
         """The engine is gone: every live request ends with EngineDeadError."""
         error = EngineDeadError(reason)
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.queue.put(error)
         if self.on_dead is not None:
             self.on_dead(reason)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from tidegate.engine.detokenizer import IncrementalDetokenizer
@@ -17,6 +18,41 @@ class _RequestState:
     want_logprobs: bool
     # Streaming callers get only what is new at each update (held-back text stays back).
     delta: bool
+
+
+class RequestOutputCollector:
+    """One request's outputs on their way to its consumer, handed over all at once.
+
+    The output loop puts without awaiting, and wakes a waiting consumer once however many
+    outputs it puts; `get` takes everything queued, so a consumer that fell behind by several
+    engine steps catches up in one go (and the HTTP layer writes them in one go). Errors are
+    queued in order, like outputs.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> list[RequestOutput | BaseException]:
+        """Everything queued, in order; waits only while nothing is."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
 
 
 class OutputProcessor:

@@ -109,3 +109,18 @@ def test_executor_backend_alternates_uni_and_mp(tmp_path):
         assert run["burst"]["output_tokens_per_s"] > 0
     text = readme.read_text()
     assert "hand-written text stays" in text and "<!-- executor-backend-tiny -->" in text
+
+
+@pytest.mark.slow
+def test_api_server_cpu_reads_the_servers_cpu_per_token(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n")
+    command = [sys.executable, str(BENCHMARKS / "api_server_cpu.py"), "--smoke", "--label", "x"]
+    subprocess.run(
+        [*command, "--out-dir", str(tmp_path), "--readme", str(readme)], check=True, timeout=300
+    )
+    entry = json.loads((tmp_path / "api_server_cpu.json").read_text())["labels"]["x"]
+    assert entry["runs"][0]["n=1"]["output_tokens"] == 4 * 16
+    assert entry["runs"][0]["n=4"]["output_tokens"] == 1 * 4 * 16
+    assert entry["cpu_ms_per_token"]["n=4"] > 0 and entry["commit"]
+    assert "<!-- api-server-cpu -->" in readme.read_text()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.async_llm import AsyncLLM
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.data_parallel import DataParallelRouter
+from tidegate.engine.errors import EngineDeadError, RequestTimeoutError
 from tidegate.engine.messages import EngineCoreOutput, EngineCoreOutputs
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
@@ -24,13 +27,13 @@ def test_deltas_add_up_to_the_offline_output_and_abort_ends_the_stream(tiny_llam
         engine = await AsyncLLM.start(EngineArgs(**args), metrics=metrics)
         try:
             request = engine.input_processor.process("whole", "The tide comes in", greedy)
-            deltas = [out async for out in engine.generate(request)]
+            deltas = [out async for outs in engine.generate(request) for out in outs]
             long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             request = engine.input_processor.process("cut", "The tide comes in", long)
             cut = []
-            async for out in engine.generate(request):
-                cut.append(out)
-                if len(cut) == 3:
+            async for outs in engine.generate(request):
+                cut.extend(outs)
+                if len(cut) >= 3 and not cut[-1].finished:
                     await engine.abort("cut")
             return deltas, cut, metrics.render()[0].decode()
         finally:
@@ -67,27 +70,74 @@ class _FakeCore:
         self.aborted.extend(request_ids)
 
 
+def _engine(tiny_llama_dir, core: _FakeCore, **kwargs) -> AsyncLLM:
+    return AsyncLLM(
+        ModelConfig.from_pretrained(tiny_llama_dir),
+        Tokenizer(tiny_llama_dir),
+        [core],  # type: ignore[list-item]
+        max_model_len=256,
+        block_size=16,
+        router=DataParallelRouter(1, max_hashes_per_core=64),
+        **kwargs,
+    )
+
+
+def test_outputs_queued_while_the_consumer_is_away_come_as_one_item(tiny_llama_dir):
+    async def run() -> tuple[list, list]:
+        core = _FakeCore()
+        engine = _engine(tiny_llama_dir, core, metrics=None)
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        stream = engine.generate(engine.input_processor.process("r", [10, 11, 12], params))
+        first = asyncio.ensure_future(anext(stream))
+        await core.added.wait()
+        for token in (5, 6, 7):  # three steps, one wake-up
+            engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [token])]))
+        caught_up = await first
+        engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [8])]))
+        engine._fail_all("the engine core failed")
+        before_the_error = await anext(stream)
+        with pytest.raises(EngineDeadError):
+            await anext(stream)
+        return caught_up, before_the_error
+
+    caught_up, before_the_error = asyncio.run(run())
+    assert [out.outputs[0].token_ids for out in caught_up] == [[5], [6], [7]]
+    assert [out.outputs[0].token_ids for out in before_the_error] == [[8]]
+
+
+def test_request_timeout_ends_a_waiting_stream_and_aborts_its_request(tiny_llama_dir):
+    async def run() -> tuple[list, list[str]]:
+        core = _FakeCore()
+        engine = _engine(tiny_llama_dir, core, metrics=None, request_timeout=0.2)
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        stream = engine.generate(engine.input_processor.process("r", [10, 11, 12], params))
+        first = asyncio.ensure_future(anext(stream))
+        await core.added.wait()
+        engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [5])]))
+        outputs = await first
+        with pytest.raises(RequestTimeoutError):
+            await anext(stream)
+        await asyncio.sleep(0.01)  # the abort goes out in the background
+        return outputs, core.aborted
+
+    outputs, aborted = asyncio.run(run())
+    assert [out.outputs[0].token_ids for out in outputs] == [[5]]
+    assert aborted == ["r"]
+
+
 def test_a_request_that_finished_before_its_consumer_left_is_counted_once(tiny_llama_dir):
     # A slow client: the engine finishes the request while the consumer still holds an
     # earlier delta, and then the consumer goes away without reading the last one.
     async def run() -> tuple[str, list[str]]:
         core = _FakeCore()
         metrics = PrometheusMetrics("tiny")
-        engine = AsyncLLM(
-            ModelConfig.from_pretrained(tiny_llama_dir),
-            Tokenizer(tiny_llama_dir),
-            [core],  # type: ignore[list-item]
-            max_model_len=256,
-            block_size=16,
-            router=DataParallelRouter(1, max_hashes_per_core=64),
-            metrics=metrics,
-        )
+        engine = _engine(tiny_llama_dir, core, metrics=metrics)
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         stream = engine.generate(engine.input_processor.process("r", [10, 11, 12], params))
         first = asyncio.ensure_future(anext(stream))
         await core.added.wait()
         engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [5])]))
-        assert not (await first).finished
+        assert not (await first)[0].finished
         engine._handle_outputs(EngineCoreOutputs(0, [EngineCoreOutput("r", [6], "length")]))
         await stream.aclose()
         return metrics.render()[0].decode(), core.aborted

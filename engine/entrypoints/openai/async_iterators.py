@@ -58,7 +58,11 @@ async def first_items(iterators: Sequence[AsyncIterator[T]]) -> list[T]:
 
 
 class MergedIterators(Generic[T]):
-    """(index, item) pairs from several iterators in arrival order; `aclose` closes them all."""
+    """(index, item) pairs from several iterators in arrival order; `aclose` closes them all.
+
+    One iterator (one prompt, n=1: most requests) is awaited directly; several need a task
+    each to wait on them together.
+    """
 
     def __init__(self, iterators: Sequence[AsyncIterator[T]], firsts: Sequence[T] | None) -> None:
         self._iterators = list(iterators)
@@ -83,6 +87,8 @@ class MergedIterators(Generic[T]):
             for index, live in enumerate(self._live):
                 if live:
                     self._schedule(index)
+        if len(self._iterators) == 1 and not self._ready:
+            return await self._next_alone()
         try:
             while not self._ready:
                 if not self._pending:
@@ -102,7 +108,33 @@ class MergedIterators(Generic[T]):
             raise
         return self._ready.popleft()
 
+    async def _next_alone(self) -> tuple[int, T]:
+        if not self._live[0]:
+            self._closed = True
+            raise StopAsyncIteration
+        try:
+            item = await _next(self._iterators[0])
+        except BaseException:
+            await self.aclose()
+            raise
+        if item is _END:
+            self._closed = True
+            raise StopAsyncIteration
+        return 0, item
+
+    async def next_batch(self) -> list[tuple[int, T]]:
+        """Every pair ready now, waiting only while none is; [] once every iterator ended."""
+        try:
+            first = await self.__anext__()
+        except StopAsyncIteration:
+            return []
+        batch = [first, *self._ready]
+        self._ready.clear()
+        return batch
+
     def _schedule(self, index: int) -> None:
+        if len(self._iterators) == 1:
+            return  # awaited directly
         task = asyncio.ensure_future(_next(self._iterators[index]))
         self._pending[task] = index
 

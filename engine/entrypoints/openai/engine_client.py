@@ -39,8 +39,11 @@ class EngineClient(Protocol):
 
     def generate(
         self, request: EngineCoreRequest, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a validated request; yield delta outputs until it finishes.
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Submit a validated request; yield its delta outputs until it finishes.
+
+        Each item holds every delta that arrived since the previous one, in order (one per
+        engine step, several when the reader fell behind), so that a stream writes them at once.
 
         The first `__anext__` raises EngineOverloadedError when the waiting queue is full; any
         may raise EngineDeadError. Closing or cancelling the iterator early aborts the request.

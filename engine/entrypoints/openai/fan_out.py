@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
@@ -30,6 +30,8 @@ from tidegate.engine.kv_transfer.params import (
 from tidegate.engine.messages import EngineCoreRequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.sampling_params import SEED_RANGE, SamplingParams
+
+C = TypeVar("C")
 
 # What an X-Request-Id may look like to be used in ids (and logs) as it is.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -123,7 +125,7 @@ def check_kv_transfer(
 
 async def start_generation(
     engine: EngineClient, subs: Sequence[SubRequest]
-) -> MergedIterators[RequestOutput]:
+) -> MergedIterators[list[RequestOutput]]:
     """Submit every sub-request and wait for each one's first output.
 
     Overload (raised on the first output) and engine death thus surface before a response
@@ -153,6 +155,10 @@ class ChoiceState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
     def add(self, output: RequestOutput) -> None:
         """Fold in one delta output."""
         completion = output.outputs[0]
@@ -173,15 +179,50 @@ class ChoiceState:
         return "".join(self.text_parts)
 
 
-async def collect(merged: MergedIterators[RequestOutput], num_choices: int) -> list[ChoiceState]:
+async def collect(
+    merged: MergedIterators[list[RequestOutput]], num_choices: int
+) -> list[ChoiceState]:
     """Run every sub-request to the end (non-streaming responses)."""
     states = [ChoiceState() for _ in range(num_choices)]
     try:
-        async for index, output in merged:
-            states[index].add(output)
+        async for index, outputs in merged:
+            for output in outputs:
+                states[index].add(output)
     finally:
         await merged.aclose()
     return states
+
+
+async def stream_chunks(
+    merged: MergedIterators[list[RequestOutput]],
+    states: Sequence[ChoiceState],
+    chunk: Callable[[int, RequestOutput], C | None],
+    usage_chunk: Callable[[], C] | None,
+) -> AsyncIterator[list[C]]:
+    """A streamed response's chunks, one list per write: every delta ready since the last.
+
+    `chunk` makes choice i's delta a chunk (None: nothing to show yet). `usage_chunk`, when
+    the client asked for usage, ends the list in which the last choice finishes. Closes
+    `merged` however the stream ends.
+    """
+    try:
+        while ready := await merged.next_batch():
+            chunks = []
+            for index, outputs in ready:
+                for output in outputs:
+                    states[index].add(output)
+                    made = chunk(index, output)
+                    if made is not None:
+                        chunks.append(made)
+            if usage_chunk is not None and all(state.finished for state in states):
+                chunks.append(usage_chunk())
+                usage_chunk = None
+            if chunks:
+                yield chunks
+        if usage_chunk is not None:
+            yield [usage_chunk()]
+    finally:
+        await merged.aclose()
 
 
 async def run_to_completion(engine: EngineClient, subs: Sequence[SubRequest]) -> list[ChoiceState]:

@@ -19,6 +19,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     request_ids,
     run_to_completion,
     start_generation,
+    stream_chunks,
     usage,
 )
 from tidegate.engine.entrypoints.openai.logprobs import chat_logprobs
@@ -120,31 +121,48 @@ class ChatServing:
         self,
         body: ChatCompletionRequest,
         header: ChatCompletionChunk,
-        merged: MergedIterators[RequestOutput],
+        merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
-    ) -> AsyncIterator[ChatCompletionChunk]:
+    ) -> AsyncIterator[list[ChatCompletionChunk]]:
+        """The role of every choice in one write, then the deltas as they come."""
         states = [ChoiceState() for _ in range(num_choices)]
+
+        def chunk(index: int, output: RequestOutput) -> ChatCompletionChunk | None:
+            return self._chunk(body, header, index, output)
+
+        def usage_chunk() -> ChatCompletionChunk:
+            return header.model_copy(update={"usage": usage(states, body.n)})
+
+        deltas = stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
         try:
-            for index in range(num_choices):
-                role = DeltaMessage(role="assistant", content="")
-                yield header.model_copy(
-                    update={"choices": [ChatStreamChoice(index=index, delta=role)]}
-                )
-            async for index, output in merged:
-                states[index].add(output)
-                delta = output.outputs[0]
-                has_logprobs = body.logprobs and bool(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and not has_logprobs:
-                    continue  # a held-back stop-string prefix: nothing to show yet
-                choice = ChatStreamChoice(
-                    index=index,
-                    delta=DeltaMessage(content=delta.text or None),
-                    logprobs=self._logprobs(body, delta.token_ids, delta.logprobs or []),
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield header.model_copy(update={"choices": [choice]})
-            if body.include_usage:
-                yield header.model_copy(update={"usage": usage(states, body.n)})
+            role = DeltaMessage(role="assistant", content="")
+            yield [
+                header.model_copy(update={"choices": [ChatStreamChoice(index=index, delta=role)]})
+                for index in range(num_choices)
+            ]
+            async for chunks in deltas:
+                yield chunks
         finally:
-            await merged.aclose()
+            await deltas.aclose()
+            await merged.aclose()  # deltas closes it too, unless it never started
+
+    def _chunk(
+        self,
+        body: ChatCompletionRequest,
+        header: ChatCompletionChunk,
+        index: int,
+        output: RequestOutput,
+    ) -> ChatCompletionChunk | None:
+        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        delta = output.outputs[0]
+        has_logprobs = body.logprobs and bool(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not has_logprobs:
+            return None
+        choice = ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=self._logprobs(body, delta.token_ids, delta.logprobs or []),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        return header.model_copy(update={"choices": [choice]})

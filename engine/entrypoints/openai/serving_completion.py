@@ -18,6 +18,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     request_ids,
     run_to_completion,
     start_generation,
+    stream_chunks,
     usage,
 )
 from tidegate.engine.entrypoints.openai.logprobs import completion_logprobs
@@ -91,36 +92,45 @@ class CompletionServing:
             self.engine.tokenizer, token_ids, logprobs, body.logprobs, text_offset
         )
 
-    async def _stream(
+    def _stream(
         self,
         body: CompletionRequest,
         header: CompletionResponse,
-        merged: MergedIterators[RequestOutput],
+        merged: MergedIterators[list[RequestOutput]],
         num_choices: int,
-    ) -> AsyncIterator[CompletionResponse]:
+    ) -> AsyncIterator[list[CompletionResponse]]:
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
-        try:
-            async for index, output in merged:
-                states[index].add(output)
-                delta = output.outputs[0]
-                has_logprobs = body.logprobs is not None and bool(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and not has_logprobs:
-                    continue  # a held-back stop-string prefix: nothing to show yet
-                logprobs = self._logprobs(
-                    body, delta.token_ids, delta.logprobs or [], text_offsets[index]
-                )
-                if logprobs is not None:
-                    text_offsets[index] += sum(len(token) for token in logprobs.tokens)
-                choice = CompletionChoice(
-                    index=index,
-                    text=delta.text,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield header.model_copy(update={"choices": [choice]})
-            if body.include_usage:
-                yield header.model_copy(update={"usage": usage(states, body.n)})
-        finally:
-            await merged.aclose()
+
+        def chunk(index: int, output: RequestOutput) -> CompletionResponse | None:
+            return self._chunk(body, header, index, output, text_offsets)
+
+        def usage_chunk() -> CompletionResponse:
+            return header.model_copy(update={"usage": usage(states, body.n)})
+
+        return stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
+
+    def _chunk(
+        self,
+        body: CompletionRequest,
+        header: CompletionResponse,
+        index: int,
+        output: RequestOutput,
+        text_offsets: list[int],
+    ) -> CompletionResponse | None:
+        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        delta = output.outputs[0]
+        has_logprobs = body.logprobs is not None and bool(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not has_logprobs:
+            return None
+        logprobs = self._logprobs(body, delta.token_ids, delta.logprobs or [], text_offsets[index])
+        if logprobs is not None:
+            text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        return header.model_copy(update={"choices": [choice]})

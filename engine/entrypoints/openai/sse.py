@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,11 +37,16 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {_UNICODE_LINE_BREAKS.sub(_escape_line_break, text)}\n\n"
 
 
-async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """Frame chunks as events; an error after the stream started becomes an error event."""
+async def sse_events(batches: AsyncIterator[Sequence[BaseModel]]) -> AsyncIterator[str]:
+    """Frame chunks as events, a batch per write; an error after the start is an error event.
+
+    Each chunk is still its own event; the events of a batch (what the engine produced for a
+    response since its last write) go out in one piece, since each socket write costs the API
+    server more than building the event does.
+    """
     try:
-        async for chunk in chunks:
-            yield sse_event(chunk)
+        async for batch in batches:
+            yield "".join([sse_event(chunk) for chunk in batch])
     except Exception as exc:
         error = to_openai_error(exc)
         if error.status == 500:

@@ -49,18 +49,24 @@ class FakeEngine:
         self.die_suffix = ""
         self.hold_after: int | None = None
         self.held_back_steps: set[int] = set()
+        # Outputs handed over per item, as when the consumer fell that many steps behind.
+        self.steps_per_item = 1
 
     async def generate(
         self, request: EngineCoreRequest, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[list[RequestOutput]]:
         self.submitted.append(request)
         # What AsyncLLM sends to the engine-core process must encode (64-bit integers only).
         msgspec.msgpack.encode(request)
         try:
             if self.admit is not None and len(self.submitted) > self.admit:
                 raise EngineOverloadedError("the waiting queue is full", retry_after_s=7)
+            queued: list[RequestOutput] = []
             async for output in self._script(request, prompt):
-                yield output
+                queued.append(output)
+                if len(queued) == self.steps_per_item or output.finished:
+                    yield queued
+                    queued = []
         except (GeneratorExit, asyncio.CancelledError):
             self.aborted.append(request.request_id)
             raise
@@ -159,4 +165,65 @@ def parse_sse(response: httpx.Response) -> list[Any]:
         payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events
+
+
+async def body_writes(
+    app: Any, path: str, body: Any, writes: list[bytes] | None = None
+) -> list[bytes]:
+    """POST to an ASGI app; the response body as the app sent it, one bytes per send.
+
+    `writes`, if given, is filled as the app sends, for a test to follow the stream.
+    """
+    payload = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"api"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"x-request-id", b"writes"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("api", 80),
+    }
+    requests = [{"type": "http.request", "body": payload, "more_body": False}]
+    writes = [] if writes is None else writes
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await asyncio.get_running_loop().create_future()  # the client never leaves
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200
+        elif message.get("body"):
+            writes.append(message["body"])
+
+    await app(scope, receive, send)
+    return writes
+
+
+def events_of(writes: list[bytes]) -> list[Any]:
+    """The SSE events of a body sent in pieces (`created` set to 0, so two runs compare)."""
+    text = b"".join(writes).decode()
+    assert text.endswith("data: [DONE]\n\n")
+    events = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        event = payload if payload == "[DONE]" else json.loads(payload)
+        if isinstance(event, dict) and "created" in event:
+            event["created"] = 0
+        events.append(event)
     return events
