@@ -26,7 +26,8 @@ $(CHECKOV):
 # The whole suite, as CI runs it: lint, format, import layers, then every test. All but
 # tests/e2e/ run first, one test file per worker on each of the two cores (pytest-xdist;
 # TEST_WORKERS= runs them in one process); then tests/e2e/ (the `alone` mark, given in
-# tests/conftest.py) runs by itself, since its timings assume a quiet machine.
+# tests/conftest.py) runs by itself, since its timings assume a quiet machine (bar the
+# modules that hold at any speed, TIMING_FREE_E2E there, which join the first run).
 TEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(CHECKOV)
 	$(BIN)/ruff check .

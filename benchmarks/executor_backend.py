@@ -7,11 +7,12 @@ and less on a batch, where the model's time dominates. One server per arm is sta
 after the other), then the runs alternate between them (uni, mp, uni, mp, ...) so that a
 change of the machine's load hits both; each run sends prompts new to the servers, and the
 median of each arm's runs is kept. The load average is recorded around every run.
-`--spin` adds a third arm, uni with OpenMP's default idle spinning (what the engine core
-turns off for an in-process worker: uniproc_executor.prepare_engine_core_process).
+`--passive` adds a third arm, uni with OMP_WAIT_POLICY=PASSIVE (OpenMP's idle threads sleep at
+once instead of spinning a while first): slower on a quiet machine, much faster when other
+processes want the same cores.
 
     python benchmarks/executor_backend.py                                 # small, level 1
-    python benchmarks/executor_backend.py --size tiny --enforce-eager --spin
+    python benchmarks/executor_backend.py --size tiny --enforce-eager --passive
     python benchmarks/executor_backend.py --smoke                         # tiny, seconds
 """
 
@@ -40,10 +41,9 @@ BACKENDS = ("uni", "mp")
 
 def start_server(model, arm: str, args) -> tuple[LocalServer, float]:
     """A server for this arm, healthy; and the seconds it took."""
-    backend = arm.removesuffix("-spin")
+    backend = arm.removesuffix("-passive")
     flags = ["--distributed-executor-backend", backend, "--log-level", "warning", *args.flags]
-    # libgomp takes an empty OMP_WAIT_POLICY as unset (with a warning): its default spinning.
-    env = {"OMP_WAIT_POLICY": ""} if arm.endswith("-spin") else None
+    env = {"OMP_WAIT_POLICY": "PASSIVE"} if arm.endswith("-passive") else None
     port = free_port()
     common = ("--served-model-name", "m", "--dtype", "bfloat16")  # as tidegate_server()
     command = serve_command(model, *common, *flags, port=port)
@@ -106,7 +106,9 @@ def main() -> None:
     parser = scenario_parser(__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     parser.add_argument("--enforce-eager", action="store_true", help="both arms at level 0")
-    parser.add_argument("--spin", action="store_true", help="add uni with OpenMP spinning")
+    parser.add_argument(
+        "--passive", action="store_true", help="add uni with OMP_WAIT_POLICY=PASSIVE"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm, alternating")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--stream-len", type=int, default=64, help="tokens of the lone stream")
@@ -117,7 +119,7 @@ def main() -> None:
         args.size, args.enforce_eager, args.repeats = "tiny", True, 1
         args.stream_len, args.burst, args.output_len = 16, 4, 8
     args.flags = ["--enforce-eager"] if args.enforce_eager else []
-    arms = (*BACKENDS, "uni-spin") if args.spin else BACKENDS
+    arms = (*BACKENDS, "uni-passive") if args.passive else BACKENDS
     model = model_dir(args.size)
     # One server per arm, started one after the other; an idle server uses no CPU. Then the
     # runs alternate between them, so that the machine's load changes hit every arm alike.
@@ -148,7 +150,7 @@ def main() -> None:
         print(arm, figures)
     print(ratios)
     argv = [f"--size {args.size}"] + ["--enforce-eager"] * args.enforce_eager
-    argv += ["--spin"] * args.spin
+    argv += ["--passive"] * args.passive
     command = "python benchmarks/executor_backend.py " + (
         "--smoke" if args.smoke else " ".join(argv)
     )

@@ -60,10 +60,7 @@ def run_engine_core(
     requests.connect(input_address)
     try:
         from tidegate.engine.device import use_own_devices
-        from tidegate.engine.executor.uniproc_executor import prepare_engine_core_process
 
-        if args.executor_backend == "uni":
-            prepare_engine_core_process()  # before anything here loads torch
         if args.data_parallel_size_local > 1:
             use_own_devices(args, engine_index)
         # At one rank the worker runs in this process (uni), else in worker processes (mp).

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import MutableMapping
-
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
-
-
-def prepare_engine_core_process(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Before torch loads in an engine core that will run its worker: idle OpenMP threads sleep.
-
-    OpenMP's idle threads spin for a while after each parallel region before they sleep.
-    Alone in a worker process that is cheap. Beside the engine core's socket threads it was
-    not: on 2 cores a decode step of the tiny model took several times longer in-process
-    than in a worker process, and passive waiting made it the faster of the two
-    (benchmarks/results/executor_backend_tiny.json, the uni-spin arm). Our reading: torch
-    drops the GIL around every op, a socket thread takes it, then waits for a core that the
-    spinning threads hold, and the loop waits for the GIL. OpenMP reads the variable when
-    torch loads it; one the user set is kept.
-    """
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class UniProcExecutor(Executor):

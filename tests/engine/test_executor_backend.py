@@ -13,7 +13,6 @@ from tidegate.engine.core.engine_core import default_executor_class
 from tidegate.engine.executor.multiproc_executor import MultiprocExecutor
 from tidegate.engine.executor.uniproc_executor import (
     UniProcExecutor,
-    prepare_engine_core_process,
 )
 from tidegate.engine.worker.fault_injection import (
     FAULT_SIGNAL_ENV,
@@ -34,15 +33,6 @@ def test_one_rank_runs_in_process_and_more_ranks_in_worker_processes():
 def test_uni_with_several_ranks_is_refused_with_the_reason():
     with pytest.raises(ValidationError, match="tensor_parallel_size 2 needs 'mp'"):
         EngineArgs(model="m", tensor_parallel_size=2, distributed_executor_backend="uni")
-
-
-def test_an_in_process_worker_gets_sleeping_openmp_threads_unless_the_user_chose():
-    environ: dict[str, str] = {}
-    prepare_engine_core_process(environ)
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
-    prepare_engine_core_process(chosen)
-    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_the_step_fault_fires_once_per_signal_and_only_when_asked_for():
