@@ -151,7 +151,14 @@ def test_without_prefill_instances_the_router_balances_whole_requests(backend, r
     """A unified pool behind the router (`tidegate up` with several unified replicas)."""
     first, second = backend("decode"), backend("decode")
     balancer = router([], [first.url, second.url])
-    wait_until(lambda: balancer.client.get("/health").status_code == 200, what="healthy")
+    # The router is healthy with one backend up; the spread needs both to be seen up.
+    wait_until(
+        lambda: all(
+            f'tidegate:router_backend_up{{role="decode",url="{b.url}"}} 1.0' in balancer.metrics()
+            for b in (first, second)
+        ),
+        what="both backends up",
+    )
     for i in range(8):
         body = {**COMPLETION, "prompt": f"prompt {i} " * 40}
         assert balancer.client.post("/v1/completions", json=body).status_code == 200
