@@ -154,10 +154,6 @@ class CpuAttentionBackend:
             max_kernel_query_len = 0  # the SDPA path has no window: the kernel does it all
         self.max_kernel_query_len = max_kernel_query_len
 
-    @staticmethod
-    def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return head_dim in HEAD_SIZES and block_size % KEY_CHUNK == 0 and dtype in DTYPES
-
     def write_kv(
         self,
         key: torch.Tensor,

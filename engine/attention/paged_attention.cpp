@@ -387,19 +387,19 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
-  const int64_t block_size = k_cache.size(1);
   std::vector<Item> items;
   items.reserve(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t query_len = qsl[i + 1] - qsl[i];
+    const int64_t num_blocks = (sl[i] + p.block_size - 1) / p.block_size;
     TORCH_CHECK(query_len >= 0 && qsl[i + 1] <= query.size(0) && sl[i] >= query_len &&
-                    (sl[i] + block_size - 1) / block_size <= p.max_blocks,
+                    num_blocks <= p.max_blocks,
                 "paged_attention: sequence ", i, " has inconsistent metadata");
     if (max_query_len > 0 && query_len > max_query_len) continue;  // the caller's to do
     // Every block the kernel will read must be in the cache: a stale or -1 entry within the
     // sequence's length is a bug upstream, refused here rather than read out of bounds.
     const int32_t* row = block_table.const_data_ptr<int32_t>() + i * p.bt_row;
-    for (int64_t b = 0; b < (sl[i] + block_size - 1) / block_size; ++b) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "paged_attention: sequence ", i,
                   " names block ", row[b], " of a ", k_cache.size(0), "-block cache");
     }
