@@ -17,6 +17,7 @@ not a constant of the graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -28,13 +29,28 @@ PACKED_DTYPES = (torch.bfloat16,)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a CPU bf16 matrix and this torch has oneDNN's packed linear."""
+    """Whether `weight` is a CPU bf16 matrix that oneDNN can pack on this machine."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and cpu_packs_bf16()
+    )
+
+
+@functools.cache
+def cpu_packs_bf16() -> bool:
+    """True when this torch has oneDNN's packed linear and this CPU runs its bf16 path.
+
+    oneDNN's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2-only CPU
+    (many AMD EPYC and older Xeon hosts) refuses to pack, and bf16 linears stay plain there.
+    """
+    mkldnn = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_is_mkldnn_bf16_supported")
+        and bool(mkldnn._is_mkldnn_bf16_supported())
     )
 
 
