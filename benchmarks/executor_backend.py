@@ -1,4 +1,5 @@
-"""executor-backend: `tidegate serve` at TP=1, the worker in the engine core (uni) or not (mp).
+"""executor-backend: `tidegate serve` at TP=1, the worker in the engine core (uni) or not (mp),
+with steps planned one at a time or while the last one runs (async scheduling).
 
 mp puts the model in a third process: each step's SchedulerOutput is encoded, written to the
 shared-memory ring and decoded, and the sampled tokens come back over a pipe. uni calls the
@@ -7,12 +8,16 @@ and less on a batch, where the model's time dominates. One server per arm is sta
 after the other), then the runs alternate between them (uni, mp, uni, mp, ...) so that a
 change of the machine's load hits both; each run sends prompts new to the servers, and the
 median of each arm's runs is kept. The load average is recorded around every run.
-`--passive` adds a third arm, uni with OMP_WAIT_POLICY=PASSIVE (OpenMP's idle threads sleep at
-once instead of spinning a while first): slower on a quiet machine, much faster when other
-processes want the same cores.
 
-    python benchmarks/executor_backend.py                                 # small, level 1
-    python benchmarks/executor_backend.py --size tiny --enforce-eager --passive
+An arm is a backend with optional suffixes: `-async` adds --async-scheduling (the engine core
+plans step N+1 and sends step N's tokens while step N+1 runs), `-passive` sets
+OMP_WAIT_POLICY=PASSIVE (OpenMP's idle threads sleep at once instead of spinning a while
+first: slower on a quiet machine, much faster when other processes want the same cores).
+Ratios compare every arm with the first.
+
+    python benchmarks/executor_backend.py                                 # small: uni, mp
+    python benchmarks/executor_backend.py --arms uni,uni-async --name async_scheduling
+    python benchmarks/executor_backend.py --size tiny --enforce-eager --arms uni,mp,uni-passive
     python benchmarks/executor_backend.py --smoke                         # tiny, seconds
 """
 
@@ -37,13 +42,24 @@ from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import random_workload
 
 BACKENDS = ("uni", "mp")
+SUFFIXES = {"async": ["--async-scheduling"], "passive": []}
+
+
+def arm_settings(arm: str) -> tuple[list[str], dict[str, str] | None]:
+    """Server flags and environment of an arm such as `uni`, `mp-async` or `uni-passive`."""
+    backend, *suffixes = arm.split("-")
+    if backend not in BACKENDS or not set(suffixes) <= set(SUFFIXES):
+        raise SystemExit(f"unknown arm {arm!r}: a backend of {BACKENDS}, then -async, -passive")
+    flags = ["--distributed-executor-backend", backend]
+    for suffix in suffixes:
+        flags += SUFFIXES[suffix]
+    return flags, {"OMP_WAIT_POLICY": "PASSIVE"} if "passive" in suffixes else None
 
 
 def start_server(model, arm: str, args) -> tuple[LocalServer, float]:
     """A server for this arm, healthy; and the seconds it took."""
-    backend = arm.removesuffix("-passive")
-    flags = ["--distributed-executor-backend", backend, "--log-level", "warning", *args.flags]
-    env = {"OMP_WAIT_POLICY": "PASSIVE"} if arm.endswith("-passive") else None
+    arm_flags, env = arm_settings(arm)
+    flags = [*arm_flags, "--log-level", "warning", *args.flags]
     port = free_port()
     common = ("--served-model-name", "m", "--dtype", "bfloat16")  # as tidegate_server()
     command = serve_command(model, *common, *flags, port=port)
@@ -106,9 +122,8 @@ def main() -> None:
     parser = scenario_parser(__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     parser.add_argument("--enforce-eager", action="store_true", help="both arms at level 0")
-    parser.add_argument(
-        "--passive", action="store_true", help="add uni with OMP_WAIT_POLICY=PASSIVE"
-    )
+    parser.add_argument("--arms", default="uni,mp", help="comma-separated; the first is the base")
+    parser.add_argument("--name", default="executor_backend", help="result file and README key")
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm, alternating")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--stream-len", type=int, default=64, help="tokens of the lone stream")
@@ -119,7 +134,9 @@ def main() -> None:
         args.size, args.enforce_eager, args.repeats = "tiny", True, 1
         args.stream_len, args.burst, args.output_len = 16, 4, 8
     args.flags = ["--enforce-eager"] if args.enforce_eager else []
-    arms = (*BACKENDS, "uni-passive") if args.passive else BACKENDS
+    arms = args.arms.split(",")
+    for arm in arms:
+        arm_settings(arm)  # unknown arms fail before any server starts
     model = model_dir(args.size)
     # One server per arm, started one after the other; an idle server uses no CPU. Then the
     # runs alternate between them, so that the machine's load changes hit every arm alike.
@@ -137,20 +154,22 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     summary = {arm: medians([r for r in runs if r["backend"] == arm]) for arm in arms}
-    uni, mp = summary["uni"], summary["mp"]
+    base = summary[arms[0]]
     ratios = {
-        "one_stream_tpot_mp_over_uni": round(
-            mp["one_stream_tpot_ms"] / uni["one_stream_tpot_ms"], 3
-        ),
-        "burst_throughput_uni_over_mp": round(
-            uni["burst_output_tokens_per_s"] / mp["burst_output_tokens_per_s"], 3
-        ),
+        f"{arm}_vs_{arms[0]}": {
+            "one_stream_tpot": round(figures["one_stream_tpot_ms"] / base["one_stream_tpot_ms"], 3),
+            "burst_throughput": round(
+                figures["burst_output_tokens_per_s"] / base["burst_output_tokens_per_s"], 3
+            ),
+        }
+        for arm, figures in summary.items()
+        if arm != arms[0]
     }
     for arm, figures in summary.items():
         print(arm, figures)
     print(ratios)
     argv = [f"--size {args.size}"] + ["--enforce-eager"] * args.enforce_eager
-    argv += ["--passive"] * args.passive
+    argv += [f"--arms {args.arms}", f"--name {args.name}", f"--repeats {args.repeats}"]
     command = "python benchmarks/executor_backend.py " + (
         "--smoke" if args.smoke else " ".join(argv)
     )
@@ -174,7 +193,7 @@ def main() -> None:
         "runs": runs,
         "machine": machine(),
     }
-    name = f"executor_backend_{args.size}"
+    name = f"{args.name}_{args.size}"
     print(f"wrote {write_result(name, record, args.out_dir)}")
     rows = [
         [
@@ -189,17 +208,20 @@ def main() -> None:
     loads = [run["load_average_1m_before"] for run in runs]
     loads += [run["load_average_1m_after"] for run in runs]
     header = ["arm", "one stream TPOT (ms)", "one stream tok/s", "burst tok/s"]
+    compared = "; ".join(
+        f"{key.replace('_vs_', ' / ')}: one-stream TPOT **{r['one_stream_tpot']}**, burst "
+        f"throughput **{r['burst_throughput']}**"
+        for key, r in ratios.items()
+    )
     update_readme(
         args.readme,
-        f"executor-backend-{args.size}",
-        f"### executor backend at TP=1 ({args.size} model, {level}, median of "
+        f"{args.name.replace('_', '-')}-{args.size}",
+        f"### {args.name.replace('_', ' ')} at TP=1 ({args.size} model, {level}, median of "
         f"{args.repeats} alternating runs per arm)\n\n"
         + table([*header, "burst TPOT p50 (ms)"], rows)
         + f"\n\n`{command}`: one stream of {args.stream_len} tokens alone, then {args.burst} "
-        f"requests at once ({args.input_len} tokens in, {args.output_len} out). mp/uni one-stream TPOT "
-        f"**{ratios['one_stream_tpot_mp_over_uni']}**, uni/mp burst throughput "
-        f"**{ratios['burst_throughput_uni_over_mp']}**. 1-minute load average "
-        f"{min(loads)}-{max(loads)} during the runs.",
+        f"requests at once ({args.input_len} tokens in, {args.output_len} out). {compared}. "
+        f"1-minute load average {min(loads)}-{max(loads)} during the runs.",
     )
 
 

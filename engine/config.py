@@ -73,6 +73,13 @@ class EngineArgs(BaseModel):
         "engine core process, mp runs one worker process per tensor-parallel rank. Default: uni "
         "at tensor_parallel_size 1, mp above (benchmarks/results/executor_backend_small.json).",
     )
+    async_scheduling: bool = Field(
+        False,
+        description="Plan step N+1 while step N runs (vLLM V1's async scheduling): the "
+        "scheduler counts each token in flight as a placeholder, the worker feeds the token it "
+        "sampled, and step N's outputs go out while step N+1 runs. Off by default: on CPU it "
+        "measured within noise of synchronous steps (benchmarks/README.md, async scheduling).",
+    )
     data_parallel_size_local: int = Field(
         1,
         ge=1,

@@ -50,6 +50,7 @@ SLOW_MODULES = frozenset(
 # cache isolation): they run with the rest on both cores, not `alone`.
 TIMING_FREE_E2E = frozenset(
     {
+        "tests/e2e/test_async_scheduling_serve.py",
         "tests/e2e/test_errors.py",
         "tests/e2e/test_fuzzed_requests.py",
         "tests/e2e/test_openai_client.py",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import msgspec
 
@@ -20,6 +22,7 @@ from tidegate.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     KVEvent,
+    ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -125,8 +128,14 @@ class EngineCore:
             kv_connector=self.kv_connector,
             kv_transfer_timeout=args.kv_transfer_timeout,
             world_size=args.tensor_parallel_size,
+            async_scheduling=args.async_scheduling,
         )
+        # The step whose results the last step() applied (None: it applied none).
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Async scheduling: steps started and not yet applied, oldest first, with the time
+        # each could start running (for the chunk tuner's step times).
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self._last_result_time = 0.0
         # KV events arrive on the connector's thread; the loop applies them between steps.
         self._kv_events: queue.SimpleQueue[KVEvent] = queue.SimpleQueue()
         # Called (from that thread) after an event is queued: wakes an idle loop.
@@ -157,6 +166,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True when a step would make progress (pulls in flight wait for their events)."""
+        if self._in_flight:
+            return True
         return self.scheduler.has_unfinished_requests() and not self._stalled
 
     def has_pending_kv(self) -> bool:
@@ -205,27 +216,86 @@ class EngineCore:
             self.kv_connector.release_remote(params)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and apply the results."""
+        """Schedule, run the model once, and apply the results.
+
+        With async scheduling a call plans and starts the next step, then applies the
+        oldest step still running once two are started (or nothing new could be planned):
+        the model is never idle waiting for the scheduler, and the outputs of step N go out
+        while step N+1 runs.
+        """
         self.process_kv_events()
         scheduler_output = self.scheduler.schedule()
+        if self.args.async_scheduling:
+            return self._step_async(scheduler_output)
         # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
         self.last_scheduler_output = scheduler_output
         started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         self.scheduler.record_step_time(time.perf_counter() - started)
         if scheduler_output.is_empty:
-            if self.scheduler.num_pulling:
-                self._stalled = True  # room comes back when a pull finishes
-            elif self.scheduler.num_waiting and not self.scheduler.num_running:
-                # Nothing runs and nothing can start: looping again would hang the caller.
-                raise RuntimeError(
-                    f"{self.scheduler.num_waiting} waiting request(s) cannot be scheduled "
-                    f"({self.kv_cache_manager.num_free_blocks} free KV blocks)"
-                )
+            self._check_progress()
             return []
+        return self._apply(scheduler_output, runner_output)
+
+    def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        self.last_scheduler_output = None
+        was_idle = not self._in_flight
+        so = scheduler_output
+        # An empty plan reaches the workers only if it finishes requests or pulls KV.
+        if not so.is_empty or so.finished_req_ids or so.kv_connector_metadata is not None:
+            if was_idle:
+                self._last_result_time = time.perf_counter()
+            self._in_flight.append((so, self.executor.execute_model_async(so)))
+        elif was_idle:
+            self.last_scheduler_output = so
+            self._check_progress()
+            return []
+        if len(self._in_flight) < 2 and not scheduler_output.is_empty:
+            return []  # plan the next step while this one runs
+        outputs = self._apply_oldest()
+        if scheduler_output.is_empty:
+            # Nothing new could be planned: apply what runs, and plan again from there.
+            outputs.extend(self.drain())
+            if was_idle:
+                self._check_progress()
+        return outputs
+
+    def _apply_oldest(self) -> list[EngineCoreOutput]:
+        scheduler_output, future = self._in_flight.popleft()
+        runner_output = future.result()
+        now = time.perf_counter()
+        # It ran from when the step before it returned (or from its start) until now.
+        self.scheduler.record_step_time(now - self._last_result_time)
+        self._last_result_time = now
+        self.last_scheduler_output = scheduler_output
+        if scheduler_output.is_empty:
+            return []
+        return self._apply(scheduler_output, runner_output)
+
+    def _check_progress(self) -> None:
+        """After a step with nothing to run: wait for pulls, or fail rather than spin."""
+        if self.scheduler.num_pulling:
+            self._stalled = True  # room comes back when a pull finishes
+        elif self.scheduler.num_waiting and not self.scheduler.num_running:
+            # Nothing runs and nothing can start: looping again would hang the caller.
+            raise RuntimeError(
+                f"{self.scheduler.num_waiting} waiting request(s) cannot be scheduled "
+                f"({self.kv_cache_manager.num_free_blocks} free KV blocks)"
+            )
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         # Pins reach the workers before the outputs naming them reach anyone.
         self._flush_kv()
+        return outputs
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Apply every step still running (async scheduling); their outputs."""
+        outputs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            outputs.extend(self._apply_oldest())
         return outputs
 
     def shutdown(self) -> None:

@@ -149,7 +149,9 @@ class EngineCoreProc:
                 continue
             outputs = engine.step()
             scheduled = engine.last_scheduler_output
-            num_tokens = scheduled.total_num_scheduled_tokens if scheduled else 0
+            if scheduled is None:
+                continue  # async scheduling started a step and applied none
+            num_tokens = scheduled.total_num_scheduled_tokens
             self.output_queue.put(
                 EngineCoreOutputs(
                     self.engine_index,

@@ -67,6 +67,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step in flight will sample for this request, counted as
+        # if known (their KV is computed in the next step) until the step's output arrives.
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache when first scheduled (for usage reporting).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -104,6 +107,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those a step in flight will sample (async scheduling)."""
+        return len(self._all_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_outputs_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def is_prefill_done(self) -> bool:

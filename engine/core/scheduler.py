@@ -31,6 +31,11 @@ class Scheduler:
     There are no prefill and decode phases: each request has `num_computed_tokens` and a step
     advances it. RUNNING requests are served first (oldest first), then WAITING ones. When
     blocks run out the newest running request is preempted by recompute.
+
+    With `async_scheduling` the next step is planned while this one runs: a step that will
+    sample a token for a request leaves a placeholder (`num_output_placeholders`), which the
+    next plan counts as a known token whose KV that step computes; the runner feeds it the
+    token it sampled itself. `update_from_output` swaps the placeholder for the real token.
     """
 
     def __init__(
@@ -40,8 +45,10 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         kv_transfer_timeout: float = 30.0,
         world_size: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         self.limits = limits
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -139,6 +146,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
+            if request.num_output_placeholders and self._finishes_in_flight(request):
+                index += 1  # the token in flight is its last: nothing more to compute
+                continue
             num_new = budget.tokens_for(request, request.num_computed_tokens)
             if num_new == 0:
                 index += 1
@@ -205,6 +215,10 @@ class Scheduler:
             prompt_len = request.num_prompt_tokens
             self.num_computed_prompt_tokens += min(start + num, prompt_len) - min(start, prompt_len)
             request.num_computed_tokens += num
+            if self.async_scheduling and (
+                request.num_computed_tokens >= request.num_tokens_with_placeholders
+            ):
+                request.num_output_placeholders += 1  # this step samples its next token
         self.num_steps += 1
         return output
 
@@ -221,6 +235,8 @@ class Scheduler:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: it resumes once the token is known
             if self.kv_transfer.wants_pull(request):
                 parked = self._park_for_pull(request)
                 if parked is None:
@@ -323,7 +339,9 @@ class Scheduler:
         ):
             request = self.requests.get(req_id)
             if request is None or request.status.finished or not token_ids:
-                continue
+                continue  # finished (or aborted) while this step ran: its token is dropped
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= len(token_ids)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -352,6 +370,15 @@ class Scheduler:
         if request.num_output_tokens != num_new_tokens or request.first_scheduled_time is None:
             return None
         return max(0.0, request.first_scheduled_time - request.arrival_time)
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """True when the tokens a step in flight samples will end the request by length: the
+        next step would compute a token nobody reads. (A stop token cannot be foreseen; a
+        request that meets one had a step more scheduled, whose token is dropped.)"""
+        return (
+            request.num_outputs_with_placeholders >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.limits.max_model_len
+        )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -455,4 +482,7 @@ class Scheduler:
 
 def _is_decoding(request: Request) -> bool:
     """True for a request past its prompt that needs one token computed (a decode)."""
-    return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+    return (
+        request.num_outputs_with_placeholders > 0
+        and request.num_tokens_with_placeholders - request.num_computed_tokens == 1
+    )

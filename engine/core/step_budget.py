@@ -45,7 +45,7 @@ class StepBudget:
 
     def tokens_for(self, request: Request, num_computed_tokens: int) -> int:
         """How many tokens this request may compute now (0 when the budget is spent)."""
-        num_new = request.num_tokens - num_computed_tokens
+        num_new = request.num_tokens_with_placeholders - num_computed_tokens
         if self.threshold > 0:
             num_new = min(num_new, self.threshold)
         # Never compute past the model's context: a request at the limit is finished first.
@@ -59,8 +59,8 @@ class StepBudget:
         A decode waiting for its one token is not a partial prefill, even if it got no
         tokens this step.
         """
-        remaining = request.num_tokens - num_computed_after
-        return remaining > 1 or (remaining == 1 and request.num_output_tokens == 0)
+        remaining = request.num_tokens_with_placeholders - num_computed_after
+        return remaining > 1 or (remaining == 1 and request.num_outputs_with_placeholders == 0)
 
     def admits_partial(self, request: Request) -> bool:
         """True when one more partial prefill (long or not) fits this step's limits."""

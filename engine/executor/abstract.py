@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
@@ -35,6 +36,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker and return rank 0's sampled tokens."""
+
+    @abstractmethod
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start a step behind any still running and return at once (async scheduling).
+
+        Steps run in the order they were started, each after the one before has finished
+        on every worker; their results must be collected in that order too.
+        """
 
     @abstractmethod
     def kv_data_ports(self) -> list[int]:

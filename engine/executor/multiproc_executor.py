@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import socket
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -146,6 +147,15 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(scheduler_output=scheduler_output))
+        return self._next_result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        # The workers read the queue in order: this step waits there until the one before
+        # it is done. Rank 0 answers steps in order, so the earliest pending reply is next.
+        self._broadcast(ExecuteModel(scheduler_output=scheduler_output))
+        return _PendingReply(self)
+
+    def _next_result(self) -> ModelRunnerOutput:
         reply = self._receive(0)
         assert isinstance(reply, WorkerResult), reply
         return reply.output
@@ -181,3 +191,19 @@ class MultiprocExecutor(Executor):
         for conn in self._replies:
             conn.close()
         self._queue.close()
+
+
+class _PendingReply(Future):
+    """A step's result that is read off rank 0's pipe when asked for (steps answer in order)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if not self.done():
+            try:
+                self.set_result(self._executor._next_result())
+            except BaseException as error:
+                self.set_exception(error)
+        return super().result(timeout)

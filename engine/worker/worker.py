@@ -35,6 +35,7 @@ class Worker:
         rank: int = 0,
         distributed_init_method: str | None = None,
         kv_config: KVWorkerConfig | None = None,
+        fault: StepFaultTrigger | None = None,
     ) -> None:
         self.args = args
         self.rank = rank
@@ -62,7 +63,9 @@ class Worker:
                 time.perf_counter() - start,
                 self.runner.num_packed_linears,
             )
-        self._fault = StepFaultTrigger()  # tests only: TIDEGATE_TEST_FAULT_SIGNAL
+        # Tests only (TIDEGATE_TEST_FAULT_SIGNAL). Its signal handler needs the main thread:
+        # a worker built on another thread is handed one made there.
+        self._fault = fault or StepFaultTrigger()
         self.kv_connector: KVConnectorWorker | None = None
         if kv_config is not None:
             self.kv_connector = create_worker_connector(

@@ -95,20 +95,33 @@ def test_disaggregated_compares_unified_and_producer_consumer(tmp_path):
 
 
 @pytest.mark.slow
-def test_executor_backend_alternates_uni_and_mp(tmp_path):
+def test_executor_backend_alternates_its_arms(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nhand-written text stays\n")
     command = [sys.executable, str(BENCHMARKS / "executor_backend.py"), "--smoke"]
+    command += ["--arms", "uni,mp,uni-async", "--name", "arms"]
     command += ["--out-dir", str(tmp_path), "--readme", str(readme)]
     subprocess.run(command, check=True, timeout=300)
-    result = json.loads((tmp_path / "executor_backend_tiny.json").read_text())
-    assert [run["backend"] for run in result["runs"]] == ["uni", "mp"]
-    assert set(result["median"]) == {"uni", "mp"}
+    result = json.loads((tmp_path / "arms_tiny.json").read_text())
+    assert [run["backend"] for run in result["runs"]] == ["uni", "mp", "uni-async"]
+    assert set(result["median"]) == {"uni", "mp", "uni-async"}
+    assert set(result["ratios"]) == {"mp_vs_uni", "uni-async_vs_uni"}
     for run in result["runs"]:
         assert run["one_stream"]["output_tokens_per_s"] > 0
         assert run["burst"]["output_tokens_per_s"] > 0
     text = readme.read_text()
-    assert "hand-written text stays" in text and "<!-- executor-backend-tiny -->" in text
+    assert "hand-written text stays" in text and "<!-- arms-tiny -->" in text
+
+
+def test_input_batch_times_each_case(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n")
+    command = [sys.executable, str(BENCHMARKS / "input_batch.py"), "--smoke"]
+    subprocess.run([*command, "--out-dir", str(tmp_path), "--readme", str(readme)], check=True)
+    cases = json.loads((tmp_path / "input_batch.json").read_text())["cases"]
+    assert [c["requests"] for c in cases] == [1, 32, 256]
+    assert all(c["ms_per_step"] > 0 for c in cases)
+    assert "<!-- input-batch -->" in readme.read_text()
 
 
 @pytest.mark.slow

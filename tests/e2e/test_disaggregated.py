@@ -28,12 +28,17 @@ ENGINE_FLAGS = ("--served-model-name", MODEL, "--max-model-len", "2048")
 KV_FLAGS = ("--kv-host", "127.0.0.1", "--kv-port", "0", "--kv-transfer-timeout", str(KV_TIMEOUT_S))
 
 
-def producer(model_dir: Path, logs: Path) -> ServerProcess:
-    return ServerProcess(model_dir, logs, *ENGINE_FLAGS, *KV_FLAGS, "--kv-role", "producer")
+# The shared stack's producer and consumer plan each step while the last one runs: its tests
+# compare them, through the router, with a unified server that schedules synchronously.
+ASYNC = ("--async-scheduling",)
 
 
-def consumer(model_dir: Path, logs: Path) -> ServerProcess:
-    return ServerProcess(model_dir, logs, *ENGINE_FLAGS, *KV_FLAGS, "--kv-role", "consumer")
+def producer(model_dir: Path, logs: Path, *flags: str) -> ServerProcess:
+    return ServerProcess(model_dir, logs, *ENGINE_FLAGS, *KV_FLAGS, "--kv-role", "producer", *flags)
+
+
+def consumer(model_dir: Path, logs: Path, *flags: str) -> ServerProcess:
+    return ServerProcess(model_dir, logs, *ENGINE_FLAGS, *KV_FLAGS, "--kv-role", "consumer", *flags)
 
 
 def router(prefill: list[ServerProcess], decode: list[ServerProcess], logs: Path) -> LocalServer:
@@ -85,7 +90,7 @@ def wait_all_free(servers: list[LocalServer], timeout_s: float) -> None:
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("pd-logs")
     unified = ServerProcess(tiny_llama_dir, logs, *ENGINE_FLAGS)
-    prod, cons = producer(tiny_llama_dir, logs), consumer(tiny_llama_dir, logs)
+    prod, cons = producer(tiny_llama_dir, logs, *ASYNC), consumer(tiny_llama_dir, logs, *ASYNC)
     servers: list[LocalServer] = [unified, prod, cons]
     try:
         start_all(*servers)

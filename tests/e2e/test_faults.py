@@ -18,6 +18,7 @@ from tidegate.engine.worker.fault_injection import FAULT_SIGNAL_ENV
 
 # Worker processes even at one rank: the tests that kill a worker process run this path.
 MP = ("--distributed-executor-backend", "mp")
+ASYNC = ("--async-scheduling",)
 # A step of the model raises once the process that runs it gets SIGUSR1 (test-only hook).
 STEP_FAULT = {FAULT_SIGNAL_ENV: "USR1"}
 
@@ -93,7 +94,7 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_pa
         server.stop()
 
 
-@pytest.mark.parametrize("flags", [(), MP], ids=["uni", "mp"])
+@pytest.mark.parametrize("flags", [(), MP, ASYNC], ids=["uni", "mp", "uni-async"])
 def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(
     tiny_llama_dir, tmp_path, flags
 ):
@@ -106,8 +107,15 @@ def test_worker_death_fails_requests_and_the_server_exits_nonzero(tiny_llama_dir
 
 @pytest.mark.parametrize(
     ("flags", "victim"),
-    [((), "tidegate::engine_core_0"), (MP, "tidegate::worker_tp0")],
-    ids=["uni", "mp"],
+    [
+        ((), "tidegate::engine_core_0"),
+        (MP, "tidegate::worker_tp0"),
+        # Two steps in flight: the one that raises runs on the worker thread (uni) or in the
+        # worker process (mp) while the engine core plans the next.
+        (ASYNC, "tidegate::engine_core_0"),
+        ((*MP, *ASYNC), "tidegate::worker_tp0"),
+    ],
+    ids=["uni", "mp", "uni-async", "mp-async"],
 )
 def test_a_step_that_raises_fails_requests_and_the_server_exits_1(
     tiny_llama_dir, tmp_path, flags, victim

@@ -8,6 +8,8 @@ Triton backend (interpreted, as in test_triton_engine.py) is the one level 2 cap
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -189,3 +191,54 @@ def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level):
     stats = llm.stats()
     assert sum(replays.values()) < stats["num_steps"]  # prefill steps ran without a graph
     assert stats["prefix_cache_hits"] >= 7 * len(shared)
+
+
+class OneReplayAtATime(CallAgain):
+    """A stand-in whose replay takes a while and says when it runs, so that a write to the
+    graphs' static buffers during a replay, from any thread, is caught."""
+
+    running = threading.Event()
+
+    def replay(self) -> None:
+        self.running.set()
+        try:
+            time.sleep(0.002)  # a GPU still reading the buffers
+            super().replay()
+        finally:
+            self.running.clear()
+
+
+@pytest.mark.slow
+def test_async_scheduling_never_writes_graph_buffers_while_a_replay_runs(
+    tiny_llama_dir, monkeypatch
+):
+    """Steps N and N+1 in flight, graphs replayed: the next step's inputs are copied into the
+    static buffers only after the replay before it is done, and the tokens are eager's."""
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    writes = []
+    original_run = DecodeGraphs.run
+
+    def guarded_run(self, step, size):
+        assert not OneReplayAtATime.running.is_set(), "buffers written during a replay"
+        writes.append(threading.get_ident())
+        return original_run(self, step, size)
+
+    monkeypatch.setattr(DecodeGraphs, "run", guarded_run)
+    common = dict(dtype="float32", max_num_seqs=4, max_model_len=128, num_gpu_blocks=64)
+    reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
+    llm = LLM(
+        model=str(tiny_llama_dir), attention_backend="triton", async_scheduling=True, **common
+    )
+    executor = llm.engine.executor
+    runner = executor.worker.runner
+    # Captured where the worker runs its steps, as Worker.initialize_kv_cache does.
+    executor._call(runner.capture_decode_graphs, OneReplayAtATime)
+    prompts = [[*range(11, 20 + 5 * i)] for i in range(4)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6 + 4 * i, ignore_eos=True) for i in range(4)
+    ]
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert sum(runner.decode_graphs.replays.values()) >= 15
+    assert len(set(writes)) == 1 and writes[0] != threading.get_ident()  # the worker's thread

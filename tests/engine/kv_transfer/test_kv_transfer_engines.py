@@ -136,6 +136,30 @@ def test_consumer_output_equals_unified(engines: dict[str, EngineCore], length: 
         engine.kv_cache_manager.check_invariants()
 
 
+def test_async_producer_and_consumer_give_the_unified_tokens(
+    engines: dict[str, EngineCore], tiny_llama_dir: Path
+) -> None:
+    """Both sides plan each step while the last runs: the producer's pin is in place before
+    the output naming it leaves, and the consumer's first step reads the pulled KV."""
+    pair = {
+        role: EngineCore(engine_args(tiny_llama_dir, kv_role=role, async_scheduling=True))
+        for role in ("producer", "consumer")
+    }
+    try:
+        for length in (1, 17, 250):
+            prompt = make_prompt(length, offset=3 * length)
+            expected = drive(engines["unified"], core_request(f"ua{length}", prompt, greedy(30)))
+            params = prefill_remotely(pair["producer"], f"pa{length}", prompt)
+            got = decode_with(pair["consumer"], f"ca{length}", prompt, params, n=30)
+            assert got == expected[f"ua{length}"]["tokens"]
+        assert pair["consumer"].stats()["kv_transfer_fallbacks"] == 0
+        wait_until(lambda: pair["producer"].stats()["kv_pinned_blocks"] == 0, pair["producer"])
+        assert all_free(*pair.values())
+    finally:
+        for engine in pair.values():
+            engine.shutdown()
+
+
 def test_consumer_prefix_hits_are_not_pulled_again(engines: dict[str, EngineCore]) -> None:
     consumer = engines["consumer"]
     shared = make_prompt(96, offset=500)
