@@ -1,4 +1,5 @@
-"""The runner's view of its requests, and the flat input tensors of one step built from them."""
+"""The runner's persistent batch: one row of host arrays per request, kept across steps and
+updated in place, and the flat input tensors of one step gathered from those rows."""
 
 from __future__ import annotations
 
@@ -10,29 +11,93 @@ import torch
 from tidegate.engine.attention.backend import AttentionMetadata
 from tidegate.engine.sampling_params import SamplingParams
 
+# Rows the batch starts with; it doubles when more requests are held at once (running ones,
+# and preempted ones waiting to resume, which keep their tokens).
+_INITIAL_ROWS = 16
+
 
 @dataclass
 class CachedRequestState:
-    """Token ids, blocks and progress of one request, kept by the runner across steps."""
+    """What the runner keeps of one request besides its row: sampling state and outputs."""
 
     req_id: str
-    token_ids: np.ndarray  # int64 [max_model_len]; the first num_tokens are valid
-    num_tokens: int
-    num_prompt_tokens: int
+    row: int
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens].tolist()
 
-    def append(self, token_id: int) -> None:
-        self.token_ids[self.num_tokens] = token_id
-        self.num_tokens += 1
-        self.output_token_ids.append(token_id)
+class PersistentBatch:
+    """Token ids, progress and block ids of every request the runner holds, a row each.
+
+    A new request fills a row once; after that a step only appends: its new block ids, the
+    tokens it sampled, its computed-token count. Nothing is rebuilt per step, and a step's
+    inputs are gathered from the rows with a few vectorized numpy operations.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+        self.max_model_len = max_model_len
+        rows = min(max_num_seqs, _INITIAL_ROWS)
+        # int32: token and block ids both fit, and the rows take half the memory.
+        self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(rows, dtype=np.int64)
+        self.block_table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_tokens)
+
+    def add(self, prompt_token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
+        """Give a new request a row; its index."""
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        n = len(prompt_token_ids)
+        self.token_ids[row, :n] = prompt_token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = num_computed
+        self.set_blocks(row, block_ids)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Free a finished request's row for the next new one."""
+        self._free_rows.append(row)
+
+    def set_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Replace a row's blocks (a new request, or one resumed after preemption)."""
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start : start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """One sampled token for each of these rows."""
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    def _grow(self) -> None:
+        old = self.num_rows
+        new = 2 * old
+
+        def grown(array: np.ndarray) -> np.ndarray:
+            bigger = np.zeros((new, *array.shape[1:]), dtype=array.dtype)
+            bigger[:old] = array
+            return bigger
+
+        self.token_ids = grown(self.token_ids)
+        self.num_tokens = grown(self.num_tokens)
+        self.num_computed_tokens = grown(self.num_computed_tokens)
+        self.block_table = grown(self.block_table)
+        self.num_blocks = grown(self.num_blocks)
+        self._free_rows.extend(range(new - 1, old - 1, -1))
 
 
 @dataclass
@@ -47,7 +112,8 @@ class StepInputs:
 
 
 class InputBuilder:
-    """Fills preallocated host buffers with vectorized numpy: O(requests) Python per step."""
+    """Gathers one step's flat inputs from the persistent batch into preallocated buffers:
+    vectorized numpy, with no Python loop over requests or blocks."""
 
     def __init__(
         self,
@@ -65,42 +131,38 @@ class InputBuilder:
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.arange = np.arange(max_num_tokens, dtype=np.int64)
 
-    def build(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepInputs:
-        """Flatten one step's requests into input ids, positions, slots and block tables."""
-        num_seqs = len(states)
+    def build(
+        self, batch: PersistentBatch, rows: np.ndarray, num_scheduled: list[int]
+    ) -> StepInputs:
+        """Flatten one step's requests (their rows, in batch order) into input ids, positions,
+        slots and block tables."""
+        num_seqs = len(rows)
         num_sched = np.asarray(num_scheduled, dtype=np.int64)
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
+        num_computed = batch.num_computed_tokens[rows]
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
-        input_ids = self.input_ids[:num_tokens]
-        np.concatenate(
-            [
-                s.token_ids[c : c + n]
-                for s, c, n in zip(states, num_computed, num_sched, strict=True)
-            ],
-            out=input_ids,
-        )
         # Position of each token: its request's first new position plus its offset in the batch.
+        seq_index = np.repeat(np.arange(num_seqs), num_sched)
         positions = self.positions[:num_tokens]
         np.add(
             np.repeat(num_computed - query_start_loc[:-1], num_sched),
             self.arange[:num_tokens],
             out=positions,
         )
-        max_blocks = max(len(s.block_ids) for s in states)
+        input_ids = self.input_ids[:num_tokens]
+        input_ids[:] = batch.token_ids[rows[seq_index], positions]
+        max_blocks = int(batch.num_blocks[rows].max())
         block_table = self.block_table[:num_seqs, :max_blocks]
-        for row, state in enumerate(states):
-            block_table[row, : len(state.block_ids)] = state.block_ids
-        seq_index = np.repeat(np.arange(num_seqs), num_sched)
+        # Columns past a row's own blocks hold older ids of that row: never read.
+        np.take(batch.block_table[:, :max_blocks], rows, axis=0, out=block_table)
         slot_mapping = self.slot_mapping[:num_tokens]
         block_of_token = block_table[seq_index, positions // self.block_size]
         np.add(block_of_token * self.block_size, positions % self.block_size, out=slot_mapping)
 
         seq_lens = num_computed + num_sched
-        token_counts = np.fromiter((s.num_tokens for s in states), np.int64, num_seqs)
-        sampling_mask = seq_lens >= token_counts
+        sampling_mask = seq_lens >= batch.num_tokens[rows]
         logits_indices = query_start_loc[1:][sampling_mask] - 1
 
         qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
@@ -126,8 +188,9 @@ class InputBuilder:
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        # On CPU the model reads the host buffers in place (the step is synchronous, so they
-        # are free again before the next build); elsewhere a blocking copy keeps that true.
+        # On CPU the model reads the host buffers in place (steps run one after the other,
+        # so they are free again before the next build); elsewhere a blocking copy keeps
+        # that true.
         if self.device.type == "cpu":
             return tensor
         return tensor.to(self.device)

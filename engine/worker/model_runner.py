@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,25 +18,10 @@ from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.model.packed_linear import pack_linear_weights
 from tidegate.engine.worker import compilation
 from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
-from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder
+from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder, PersistentBatch
 from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
-
-
-class _LazyPromptTokenIds(Sequence[list[int]]):
-    """Each row's prompt token ids, materialized only when indexed."""
-
-    def __init__(self, rows: list[CachedRequestState]) -> None:
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            return [row.prompt_token_ids for row in self._rows[index]]
-        return self._rows[index].prompt_token_ids
 
 
 class ModelRunner:
@@ -79,10 +64,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
+        max_blocks_per_seq = -(-max_model_len // args.block_size)
+        self.batch = PersistentBatch(args.max_num_seqs, max_model_len, max_blocks_per_seq)
         self.inputs = InputBuilder(
             max_num_tokens=args.step_token_capacity(max_model_len),
             max_num_seqs=args.max_num_seqs,
-            max_blocks_per_seq=-(-max_model_len // args.block_size),
+            max_blocks_per_seq=max_blocks_per_seq,
             block_size=args.block_size,
             device=device,
         )
@@ -168,33 +155,33 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply what changed since the last step to the persistent batch, row by row."""
+        batch = self.batch
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                batch.remove(state.row)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            token_ids = np.zeros(self.max_model_len, dtype=np.int64)
-            token_ids[: len(new.prompt_token_ids)] = new.prompt_token_ids
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+            row = batch.add(new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=token_ids,
-                num_tokens=len(new.prompt_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
+                row=row,
+                prompt_token_ids=new.prompt_token_ids,
                 sampling_params=params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
             )
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
+            row = self.requests[cached.req_id].row
             if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
+                batch.set_blocks(row, cached.new_block_ids)
             else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+                batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -204,8 +191,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[req_id] for req_id in req_ids]
+        rows = np.fromiter((state.row for state in states), np.int64, len(states))
         num_scheduled = list(so.num_scheduled_tokens.values())
-        step = self.inputs.build(states, num_scheduled)
+        step = self.inputs.build(self.batch, rows, num_scheduled)
         size = self.decode_graphs.size_for(num_scheduled) if self.decode_graphs else None
         if size is not None:
             hidden = self.decode_graphs.run(step, size)
@@ -215,15 +203,15 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
-            rows = [states[i] for i in step.sampling_rows]
-            output, tokens = self._sample_on_rank_0(logits, rows)
-            for row, state, token in zip(step.sampling_rows, rows, tokens, strict=True):
-                state.append(token)
+            sampling = [states[i] for i in step.sampling_rows]
+            output, tokens = self._sample_on_rank_0(logits, sampling)
+            self.batch.append_tokens(rows[step.sampling_rows], tokens)
+            for row, state, token in zip(step.sampling_rows, sampling, tokens, strict=True):
+                state.output_token_ids.append(token)
                 sampled[row] = [token]
             if output is not None and output.logprobs is not None:
-                logprobs = self._logprobs_lists(output, rows)
-        for state in states:
-            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+                logprobs = self._logprobs_lists(output, sampling)
+        self.batch.num_computed_tokens[rows] += num_scheduled
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample_on_rank_0(
@@ -243,8 +231,7 @@ class ModelRunner:
         generators = {i: s.generator for i, s in enumerate(rows) if s.generator is not None}
         meta = build_sampling_metadata(
             params=[s.sampling_params for s in rows],
-            # Built only if a repetition penalty asks for it: copying prompts is O(tokens).
-            prompt_token_ids=_LazyPromptTokenIds(rows),
+            prompt_token_ids=[s.prompt_token_ids for s in rows],
             output_token_ids=[s.output_token_ids for s in rows],
             generators=generators,
             vocab_size=logits.shape[-1],
