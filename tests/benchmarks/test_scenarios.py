@@ -99,13 +99,13 @@ def test_executor_backend_alternates_its_arms(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nhand-written text stays\n")
     command = [sys.executable, str(BENCHMARKS / "executor_backend.py"), "--smoke"]
-    command += ["--arms", "uni,mp,uni-async", "--name", "arms"]
+    command += ["--arms", "uni,uni-async", "--name", "arms"]
     command += ["--out-dir", str(tmp_path), "--readme", str(readme)]
     subprocess.run(command, check=True, timeout=300)
     result = json.loads((tmp_path / "arms_tiny.json").read_text())
-    assert [run["backend"] for run in result["runs"]] == ["uni", "mp", "uni-async"]
-    assert set(result["median"]) == {"uni", "mp", "uni-async"}
-    assert set(result["ratios"]) == {"mp_vs_uni", "uni-async_vs_uni"}
+    assert [run["backend"] for run in result["runs"]] == ["uni", "uni-async"]
+    assert set(result["median"]) == {"uni", "uni-async"}
+    assert set(result["ratios"]) == {"uni-async_vs_uni"}
     for run in result["runs"]:
         assert run["one_stream"]["output_tokens_per_s"] > 0
         assert run["burst"]["output_tokens_per_s"] > 0

@@ -94,7 +94,7 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(tiny_llama_dir, tmp_pa
         server.stop()
 
 
-@pytest.mark.parametrize("flags", [(), MP, ASYNC], ids=["uni", "mp", "uni-async"])
+@pytest.mark.parametrize("flags", [(), MP], ids=["uni", "mp"])
 def test_engine_core_death_fails_requests_and_the_server_exits_nonzero(
     tiny_llama_dir, tmp_path, flags
 ):
