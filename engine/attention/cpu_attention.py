@@ -114,8 +114,10 @@ def _cache_root() -> Path:
 
 
 def _build_key(isa: str) -> str:
-    """Source, torch version and (for `native`) this CPU's features: a change rebuilds."""
+    """Source, compiler flags, torch version and (for `native`) this CPU's features: a
+    change rebuilds."""
     digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([*_COMMON_FLAGS, *ISA_FLAGS[isa]]).encode())
     digest.update(torch.__version__.encode())
     if isa == "native":
         digest.update(_cpu_flags().encode())

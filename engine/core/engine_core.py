@@ -132,9 +132,12 @@ class EngineCore:
         )
         # The step whose results the last step() applied (None: it applied none).
         self.last_scheduler_output: SchedulerOutput | None = None
-        # Async scheduling: steps started and not yet applied, oldest first, with the time
-        # each could start running (for the chunk tuner's step times).
-        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # Async scheduling: steps started and not yet applied, oldest first, each with its
+        # mix of decodes and prompt tokens (for the chunk tuner), and when the last one
+        # applied had its result (a step runs from then, or from its start, to its result).
+        self._in_flight: deque[
+            tuple[SchedulerOutput, tuple[int, int], Future[ModelRunnerOutput]]
+        ] = deque()
         self._last_result_time = 0.0
         # KV events arrive on the connector's thread; the loop applies them between steps.
         self._kv_events: queue.SimpleQueue[KVEvent] = queue.SimpleQueue()
@@ -245,7 +248,8 @@ class EngineCore:
         if not so.is_empty or so.finished_req_ids or so.kv_connector_metadata is not None:
             if was_idle:
                 self._last_result_time = time.perf_counter()
-            self._in_flight.append((so, self.executor.execute_model_async(so)))
+            mix = self.scheduler.last_mix
+            self._in_flight.append((so, mix, self.executor.execute_model_async(so)))
         elif was_idle:
             self.last_scheduler_output = so
             self._check_progress()
@@ -261,11 +265,11 @@ class EngineCore:
         return outputs
 
     def _apply_oldest(self) -> list[EngineCoreOutput]:
-        scheduler_output, future = self._in_flight.popleft()
+        scheduler_output, mix, future = self._in_flight.popleft()
         runner_output = future.result()
         now = time.perf_counter()
         # It ran from when the step before it returned (or from its start) until now.
-        self.scheduler.record_step_time(now - self._last_result_time)
+        self.scheduler.record_step_time(now - self._last_result_time, mix)
         self._last_result_time = now
         self.last_scheduler_output = scheduler_output
         if scheduler_output.is_empty:

@@ -130,10 +130,16 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
         return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
 
-    def record_step_time(self, seconds: float) -> None:
-        """How long the last planned step took to execute (teaches the chunk tuner)."""
+    @property
+    def last_mix(self) -> tuple[int, int]:
+        """(decodes, prompt tokens) of the last planned step."""
+        return self._last_mix
+
+    def record_step_time(self, seconds: float, mix: tuple[int, int] | None = None) -> None:
+        """How long a step took to execute (teaches the chunk tuner): the last planned one,
+        or (async scheduling, where a later one is planned by then) the one of `mix`."""
         if self.chunk_tuner is not None:
-            self.chunk_tuner.observe(*self._last_mix, seconds)
+            self.chunk_tuner.observe(*(mix or self._last_mix), seconds)
 
     def _schedule_running(
         self,

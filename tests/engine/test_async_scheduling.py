@@ -244,3 +244,38 @@ def test_a_decode_is_planned_before_its_last_token_is_known(tiny_llama_dir):
     # The first call only starts a step; each call after it applies one token.
     assert calls == [0] + [1] * 20
     assert core.executor.steps_started == 20
+
+
+def test_the_chunk_tuner_learns_each_step_with_its_own_mix(tiny_llama_dir):
+    """With a step planned ahead, the time measured is the older step's: the tuner must pair
+    it with that step's decodes and prompt tokens, not with the newer plan's."""
+    core = make_core(tiny_llama_dir, True, long_prefill_token_threshold="auto")
+    tuner = core.scheduler.chunk_tuner
+    assert tuner is not None
+    observed, planned = [], []
+    original_observe, original_schedule = tuner.observe, core.scheduler.schedule
+
+    def observe(num_decodes, num_prefill_tokens, seconds):
+        observed.append((num_decodes, num_prefill_tokens))
+        original_observe(num_decodes, num_prefill_tokens, seconds)
+
+    def schedule():
+        so = original_schedule()
+        if not so.is_empty:
+            planned.append(core.scheduler.last_mix)
+        return so
+
+    tuner.observe, core.scheduler.schedule = observe, schedule
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plan = [
+        (
+            step,
+            EngineCoreRequest(f"m{step}", list(range(3, 3 + 20 * (step + 1))), params, [EOS], 0.0),
+            None,
+        )
+        for step in range(4)
+    ]
+    run(core, plan)
+    # Empty plans (only finished ids for the runner) teach the tuner nothing.
+    assert [mix for mix in observed if mix != (0, 0)] == planned and len(planned) > 8
+    assert any(decodes and prompt for decodes, prompt in planned)  # mixed steps among them
