@@ -11,6 +11,18 @@ from tests.e2e.server import ServerProcess
 
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
+# The shared server's flags; a test that needs the same server with one setting changed
+# starts its own with these and that setting.
+SHARED_SERVER_FLAGS = (
+    "--served-model-name",
+    SERVED_NAME,
+    "--api-key",
+    API_KEY,
+    "--metrics-compat",
+    "vllm",
+    "--max-model-len",
+    "512",
+)
 
 
 @pytest.fixture(scope="session")
@@ -18,18 +30,7 @@ def server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """`tidegate serve` on the tiny Llama, with an API key and vLLM metric names."""
-    proc = ServerProcess(
-        tiny_llama_dir,
-        tmp_path_factory.mktemp("logs"),
-        "--served-model-name",
-        SERVED_NAME,
-        "--api-key",
-        API_KEY,
-        "--metrics-compat",
-        "vllm",
-        "--max-model-len",
-        "512",
-    )
+    proc = ServerProcess(tiny_llama_dir, tmp_path_factory.mktemp("logs"), *SHARED_SERVER_FLAGS)
     try:
         yield proc.wait_healthy()
     finally:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.client import HEADERS, metric, open_stream, wait_idle
-from tests.e2e.conftest import API_KEY, SERVED_NAME
+from tests.e2e.conftest import SERVED_NAME, SHARED_SERVER_FLAGS
 from tests.e2e.server import ServerProcess
 
 
@@ -25,14 +25,7 @@ def async_server(
     proc = ServerProcess(
         tiny_llama_dir,
         tmp_path_factory.mktemp("async-logs"),
-        "--served-model-name",
-        SERVED_NAME,
-        "--api-key",
-        API_KEY,
-        "--metrics-compat",
-        "vllm",
-        "--max-model-len",
-        "512",
+        *SHARED_SERVER_FLAGS,
         "--async-scheduling",
         "--data-parallel-size-local",
         "2",
