@@ -240,10 +240,9 @@ class EngineCore:
             return []
         return self._apply(scheduler_output, runner_output)
 
-    def _step_async(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _step_async(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         self.last_scheduler_output = None
         was_idle = not self._in_flight
-        so = scheduler_output
         # An empty plan reaches the workers only if it finishes requests or pulls KV.
         if not so.is_empty or so.finished_req_ids or so.kv_connector_metadata is not None:
             if was_idle:
@@ -254,10 +253,10 @@ class EngineCore:
             self.last_scheduler_output = so
             self._check_progress()
             return []
-        if len(self._in_flight) < 2 and not scheduler_output.is_empty:
+        if len(self._in_flight) < 2 and not so.is_empty:
             return []  # plan the next step while this one runs
         outputs = self._apply_oldest()
-        if scheduler_output.is_empty:
+        if so.is_empty:
             # Nothing new could be planned: apply what runs, and plan again from there.
             outputs.extend(self.drain())
             if was_idle:

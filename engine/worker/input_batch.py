@@ -37,7 +37,6 @@ class PersistentBatch:
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
-        self.max_model_len = max_model_len
         rows = min(max_num_seqs, _INITIAL_ROWS)
         # int32: token and block ids both fit, and the rows take half the memory.
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)
