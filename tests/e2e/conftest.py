@@ -11,18 +11,18 @@ from tests.e2e.server import ServerProcess
 
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
-# The shared server's flags; a test that needs the same server with one setting changed
-# starts its own with these and that setting.
-SHARED_SERVER_FLAGS = (
+# What the e2e clients expect of a server: its model name, key and metric names.
+CLIENT_FLAGS = (
     "--served-model-name",
     SERVED_NAME,
     "--api-key",
     API_KEY,
     "--metrics-compat",
     "vllm",
-    "--max-model-len",
-    "512",
 )
+# The shared server's flags; a test that needs the same server with one setting changed
+# starts its own with these and that setting.
+SHARED_SERVER_FLAGS = (*CLIENT_FLAGS, "--max-model-len", "512")
 
 
 @pytest.fixture(scope="session")

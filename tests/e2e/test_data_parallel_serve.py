@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.client import HEADERS, open_stream
-from tests.e2e.conftest import API_KEY, SERVED_NAME
+from tests.e2e.conftest import CLIENT_FLAGS, SERVED_NAME
 from tests.e2e.server import ServerProcess
 
 PROMPTS = ["The tide comes in and", "Once upon a time", "A harbour at night", "Salt and"]
@@ -46,16 +46,7 @@ def complete(base_url: str, prompt: str, max_tokens: int = 16) -> str:
 
 def start_dp_server(model_dir: Path, log_dir: Path) -> ServerProcess:
     return ServerProcess(
-        model_dir,
-        log_dir,
-        "--served-model-name",
-        SERVED_NAME,
-        "--api-key",
-        API_KEY,
-        "--metrics-compat",
-        "vllm",
-        "--data-parallel-size-local",
-        "2",
+        model_dir, log_dir, *CLIENT_FLAGS, "--data-parallel-size-local", "2"
     ).wait_healthy()
 
 
