@@ -161,7 +161,14 @@ def _assert_death_is_fatal(
                         headers=HEADERS,
                     )
                 )
-                await asyncio.sleep(0)  # let the request go out before the kill
+                # The kill must find it in the engine: one that reached the server only
+                # after the shutdown began gets its connection closed, not a 503.
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: metric(server.base_url, "tidegate:num_requests_running") == 3,
+                    15,
+                    "the third request to run",
+                )
                 killed_at = time.monotonic()
                 victim.send_signal(sig)
                 events = [await stream.rest() for stream in streams]
