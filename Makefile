@@ -23,17 +23,21 @@ $(CHECKOV):
 	$(PYTHON) -m venv .cache/tools/checkov
 	.cache/tools/checkov/bin/pip install --quiet checkov==3.3.30
 
-# The whole suite, as CI runs it: lint, format, import layers, then every test. All but
-# tests/e2e/ run first, one test file per worker on each of the two cores (pytest-xdist;
-# TEST_WORKERS= runs them in one process); then tests/e2e/ (the `alone` mark, given in
-# tests/conftest.py) runs by itself, since its timings assume a quiet machine (bar the
-# modules that hold at any speed, TIMING_FREE_E2E there, which join the first run).
+# The whole suite, as CI runs it: lint, format, import layers, then every test in three runs
+# (the marks are given in tests/conftest.py). First all but the e2e modules that kill, restart
+# or time things, one test file per worker on each of the two cores (pytest-xdist; TEST_WORKERS=
+# runs each run in one process); then the `paired` e2e modules (faults, restarts, P/D,
+# `tidegate up`), two files at a time, since their deadlines hold beside one other such module
+# but not beside the compiles of the first run; then the `alone` ones (ITL under a long
+# prompt's arrival, deadlines, soak RSS, data parallel), by themselves: they assume a quiet
+# machine.
 TEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(CHECKOV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q $(TEST_WORKERS) -m "not alone"
+	$(BIN)/pytest -q $(TEST_WORKERS) -m "not paired and not alone"
+	$(BIN)/pytest -q $(TEST_WORKERS) -m paired
 	$(BIN)/pytest -q -m alone
 
 # The units only, to iterate with (about a minute on 2 cores): no model, no server, no other
