@@ -7,7 +7,9 @@ the cache and runs SDPA (one batched call for the decodes, one per prefill chunk
 backend reads the cache in place, the whole batch in one call. Scenarios are the batches a
 serving step of the benchmark workload makes: 32 decodes of 128-640 tokens, the same at
 2,048 tokens, one 512-token fresh prompt, a 512-token chunk after 2,048 cached tokens (the
-prefill-stall case), and that chunk beside 31 decodes.
+prefill-stall case), that chunk beside 31 decodes, a 16-token chunk after 3,000 cached tokens
+beside 16 decodes (what auto chunking runs deep into a long prompt), and one decode of a
+16,384-token context.
 
     python benchmarks/cpu_attention.py    # writes benchmarks/results/cpu_attention.json
 """
@@ -44,6 +46,10 @@ def scenarios(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
         "chunk_512_after_2048": [(2048, 512)],
         "chunk_512_after_2048_with_31_decodes": [(2048, 512)]
         + [(rng.randint(128, 640), 1) for _ in range(31)],
+        # What auto chunking runs deep into a long prompt: one block beside the streams.
+        "chunk_16_after_3000_with_16_decodes": [(3000, 16)]
+        + [(rng.randint(128, 640), 1) for _ in range(16)],
+        "decode_1x16384": [(16383, 1)],
     }
 
 

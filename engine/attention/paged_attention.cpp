@@ -3,7 +3,7 @@
 //
 // Work is split into items (sequence, tile of up to kQueryTile new tokens), taken by
 // torch's intra-op threads from a shared counter, so a long chunk's tiles and many short
-// decodes spread evenly. An item walks its keys in chunks of KEYS tokens and, for each
+// decodes spread evenly; a tile that attends to many keys becomes one item per KV head. An item walks its keys in chunks of KEYS tokens and, for each
 // chunk, every KV head in turn: a chunk's slots are contiguous in the cache, so each cache
 // line is read from memory once. Each head's keys and values are converted to fp32 once per
 // chunk and serve every query row of the head (the GQA group times the tile's tokens), RB
@@ -38,6 +38,8 @@ namespace {
 constexpr int KEYS = 16;       // keys per chunk: one AVX-512 vector of fp32 scores
 constexpr int kQueryTile = 16;  // new tokens per work item of a prefill chunk
 constexpr int kTransposeRows = 8;  // from this many query rows, scores use K transposed
+// From this many (new token, key) pairs a tile is split into one work item per KV head.
+constexpr int64_t kSplitPairs = 8192;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -80,6 +82,7 @@ inline T from_float(float x) {
 struct Item {
   int32_t seq;
   int32_t first;  // first new token of the tile, as an offset into the sequence's chunk
+  int32_t head_lo, head_hi;  // the KV heads it computes: all, or one of a long tile's
 };
 
 // Sizes and strides shared by every item of one call.
@@ -116,7 +119,7 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
   float* __restrict__ row_max = s + rows * KEYS;   // [all_rows]
   float* __restrict__ row_sum = row_max + all_rows;  // [all_rows]
 
-  for (int h = 0; h < kv_heads; ++h) {
+  for (int h = item.head_lo; h < item.head_hi; ++h) {
     for (int r = 0; r < rows; ++r) {
       const int row = h * rows + r;
       const int64_t token = start + item.first + r / group;
@@ -153,7 +156,7 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
     // Every key of the chunk visible to every row of the tile: no mask needed.
     const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
                              (p.window == 0 || block_start > last_pos - p.window);
-    for (int h = 0; h < kv_heads; ++h) {
+    for (int h = item.head_lo; h < item.head_hi; ++h) {
       const T* kb = k_cache + block * p.kc_blk + slot * p.kc_slot + h * p.kc_head;
       const T* vsrc = v_cache + block * p.vc_blk + slot * p.vc_slot + h * p.vc_head;
       for (int t = 0; t < n; ++t) {
@@ -267,7 +270,7 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
     }
   }
 
-  for (int h = 0; h < kv_heads; ++h) {
+  for (int h = item.head_lo; h < item.head_hi; ++h) {
     for (int r = 0; r < rows; ++r) {
       const int row = h * rows + r;
       const int64_t token = start + item.first + r / group;
@@ -389,6 +392,11 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
   std::vector<Item> items;
   items.reserve(num_seqs);
+  // A tile that attends to many keys (a chunk deep into a long prompt, a decode of a long
+  // context) is split into one item per KV head, so that its work spreads over the threads
+  // instead of one thread carrying it while the others wait; short ones stay whole, each
+  // cache line read once for all heads.
+  const bool split_heads = at::get_num_threads() > 1 && num_kv_heads > 1;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t query_len = qsl[i + 1] - qsl[i];
     const int64_t num_blocks = (sl[i] + p.block_size - 1) / p.block_size;
@@ -403,8 +411,15 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "paged_attention: sequence ", i,
                   " names block ", row[b], " of a ", k_cache.size(0), "-block cache");
     }
+    const int64_t context_len = sl[i] - query_len;
     for (int64_t first = 0; first < query_len; first += kQueryTile) {
-      items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(first)});
+      const int64_t tile = std::min<int64_t>(kQueryTile, query_len - first);
+      const auto seq = static_cast<int32_t>(i), off = static_cast<int32_t>(first);
+      if (split_heads && tile * (context_len + first + tile) >= kSplitPairs) {
+        for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({seq, off, h, h + 1});
+      } else {
+        items.push_back({seq, off, 0, static_cast<int32_t>(num_kv_heads)});
+      }
     }
   }
   // Items that see the most keys first: the threads finish together more often.

@@ -92,6 +92,27 @@ def test_randomized_batches_match_dense_reference(seed):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("dtype", "window"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 300)]
+)
+def test_tiles_deep_in_long_contexts_split_by_kv_head_and_match_dense(dtype, window, threads):
+    # A tile that attends to 8,192 (token, key) pairs or more runs as one work item per KV
+    # head when there are threads to share it: a chunk deep into a long prompt (its tiles
+    # cross the threshold one by one), a decode of a long context, beside short sequences
+    # that stay whole. With one thread nothing is split; the results are the same.
+    chunks = [(1500, 40), (9000, 1), (37, 1), (0, 20), (511, 16), (8000, 3)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, expected = run_case(chunks, 64, 16, 4, dtype, 21, window=window)
+    finally:
+        torch.set_num_threads(before)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel_in_one_batch():
     # Two chunks past the threshold (one after cached context), beside decodes and a chunk
     # the kernel keeps; every row must be written once, by the right path.
