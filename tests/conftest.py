@@ -70,6 +70,7 @@ QUIET_E2E = frozenset(
         "tests/e2e/test_soak.py",
     }
 )
+# A test marked `alone` by hand in another e2e module runs with these.
 # The other e2e modules (faults, restarts, P/D, `tidegate up`) kill processes and
 # wait for exits and restarts within deadlines of 10 s and more: they hold with one other such
 # module beside them, but not beside the whole suite's compiles. `make test` runs them two at a
@@ -94,6 +95,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if path in QUIET_E2E:
             item.add_marker(pytest.mark.alone)
+        elif item.get_closest_marker("alone") is not None:
+            pass  # a quiet-machine test in a module that otherwise runs paired
         elif path.startswith("tests/e2e/") and path not in TIMING_FREE_E2E:
             item.add_marker(pytest.mark.paired)
         if path in SLOW_MODULES:
