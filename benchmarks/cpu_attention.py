@@ -31,7 +31,7 @@ import torch
 
 from tidegate.engine.attention import TorchAttentionBackend
 from tidegate.engine.attention.backend import AttentionMetadata
-from tidegate.engine.attention.cpu_attention import CpuAttentionBackend
+from tidegate.engine.attention.cpu_attention import AMX_MAX_KERNEL_QUERY_LEN, CpuAttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
@@ -108,12 +108,14 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rng = random.Random(0)
-    # cpu: the backend as the engine runs it (long chunks to SDPA); kernel: every sequence
-    # through the C++ kernel, which shows where the split pays.
+    # cpu: the backend as the engine runs it on this CPU; kernel: every sequence through the
+    # C++ kernel; kernel_sdpa: chunks over 64 tokens to SDPA, as on a CPU with AMX. The last
+    # two show which split pays here.
     backends = {
         "torch": TorchAttentionBackend(),
         "cpu": CpuAttentionBackend(),
         "kernel": CpuAttentionBackend(max_kernel_query_len=0),
+        "kernel_sdpa": CpuAttentionBackend(max_kernel_query_len=AMX_MAX_KERNEL_QUERY_LEN),
     }
     scale = HEAD_DIM**-0.5
     rows = []

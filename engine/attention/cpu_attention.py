@@ -45,6 +45,11 @@ _COMMON_FLAGS = [
     "-mprefer-vector-width=512",  # GCC otherwise keeps AVX-512 code to 256-bit vectors
 ]
 _lock = threading.Lock()
+# Longest chunk the kernel takes where the CPU has AMX: SDPA runs longer ones on oneDNN's
+# tile kernels, 2.4-3.7x faster than the kernel on a Sapphire Rapids. Without AMX the kernel
+# measured faster at every chunk length (an AVX-512 EPYC: 1.1x on 512 tokens after 2,048,
+# 1.9x on a fresh 512-token prompt), so there it takes every chunk (benchmarks/README.md).
+AMX_MAX_KERNEL_QUERY_LEN = 64
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -136,22 +141,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def default_max_kernel_query_len() -> int:
+    """The longest chunk the kernel takes on this CPU (0: every chunk)."""
+    return AMX_MAX_KERNEL_QUERY_LEN if "amx_bf16" in _cpu_flags().split() else 0
+
+
 class CpuAttentionBackend:
     """Paged attention for mixed prefill/decode batches with the C++ kernel.
 
-    Decodes and short chunks go to the kernel, the whole batch in one call. A chunk longer
-    than `max_kernel_query_len` is compute-bound, and PyTorch's flash attention runs it on
-    oneDNN's matrix kernels (AMX or AVX-512 BF16 where the CPU has them) several times
-    faster than the kernel's vector loops (benchmarks/cpu_attention.py): those chunks take
-    the torch backend's path, one SDPA call each over their gathered keys.
+    Decodes and chunks go to the kernel, the whole batch in one call. Where the CPU has AMX,
+    a chunk longer than `max_kernel_query_len` is compute-bound and PyTorch's flash attention
+    runs it on oneDNN's tile kernels several times faster than the kernel's vector loops
+    (benchmarks/cpu_attention.py): those chunks take the torch backend's path, one SDPA call
+    each over their gathered keys. `max_kernel_query_len` 0 sends every chunk to the kernel.
     """
 
     name = "cpu"
     cuda_graph_safe = False  # a CPU backend: there are no CUDA graphs to capture
 
-    def __init__(self, sliding_window: int | None = None, max_kernel_query_len: int = 64) -> None:
+    def __init__(
+        self, sliding_window: int | None = None, max_kernel_query_len: int | None = None
+    ) -> None:
         load_cpu_kernels()
         self.sliding_window = sliding_window or 0
+        if max_kernel_query_len is None:
+            max_kernel_query_len = default_max_kernel_query_len()
         if self.sliding_window:
             max_kernel_query_len = 0  # the SDPA path has no window: the kernel does it all
         self.max_kernel_query_len = max_kernel_query_len

@@ -24,7 +24,7 @@ from tests.engine.paged_attention_cases import (
     reference_attention,
 )
 from tidegate.engine import LLM, SamplingParams
-from tidegate.engine.attention import TorchAttentionBackend, get_attention_backend
+from tidegate.engine.attention import TorchAttentionBackend, cpu_attention, get_attention_backend
 from tidegate.engine.attention.cpu_attention import (
     CpuAttentionBackend,
     cpu_kernels_available,
@@ -121,6 +121,20 @@ def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel_in_one_batch():
     out, expected = run_case(chunks, 64, 16, 3, torch.bfloat16, 12, kernel_max=64)
 
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [("fpu avx512f avx512_bf16 amx_bf16 amx_tile", 64), ("fpu avx2 avx512f avx512_bf16", 0)],
+    ids=["amx", "no-amx"],
+)
+def test_long_chunks_go_to_sdpa_by_default_only_where_the_cpu_has_amx(monkeypatch, flags, expected):
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: f"flags\t\t: {flags}")
+
+    assert CpuAttentionBackend().max_kernel_query_len == expected
+    assert CpuAttentionBackend(max_kernel_query_len=32).max_kernel_query_len == 32
+    # SDPA's path has no sliding window: with one the kernel takes every chunk.
+    assert CpuAttentionBackend(sliding_window=8).max_kernel_query_len == 0
 
 
 def test_sliding_window_sees_only_the_last_keys():
