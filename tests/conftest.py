@@ -76,7 +76,7 @@ QUIET_E2E = frozenset(
 # module beside them, but not beside the whole suite's compiles. `make test` runs them two at a
 # time, between the rest and the quiet ones (the `paired` mark). Each spends about half its
 # time waiting for a process to start, exit or restart, so a second one uses the idle core:
-# 194 s one after the other, about 115 s two at a time, on a 2-core machine.
+# 194 s one after the other, 128 s two at a time, on a 2-core machine.
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
