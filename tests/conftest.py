@@ -61,7 +61,8 @@ TIMING_FREE_E2E = frozenset(
 # steady streams' ITL, request deadlines, 429s before any admitted request ends, RSS between
 # soak rounds, one data-parallel core killed while both serve a stream (beside another module,
 # one core's first token came so late that the other's 3,000-token stream had ended: 2 runs of
-# 3). `make test` runs them last, by themselves (the `alone` mark).
+# 3). `make test` runs them last, by themselves (the `alone` mark), with any test elsewhere
+# that carries the `alone` mark by hand.
 QUIET_E2E = frozenset(
     {
         "tests/e2e/test_bench_serve.py",
@@ -70,7 +71,6 @@ QUIET_E2E = frozenset(
         "tests/e2e/test_soak.py",
     }
 )
-# A test marked `alone` by hand in another e2e module runs with these.
 # The other e2e modules (faults, restarts, P/D, `tidegate up`) kill processes and
 # wait for exits and restarts within deadlines of 10 s and more: they hold with one other such
 # module beside them, but not beside the whole suite's compiles. `make test` runs them two at a

@@ -47,8 +47,8 @@ _COMMON_FLAGS = [
 _lock = threading.Lock()
 # Longest chunk the kernel takes where the CPU has AMX: SDPA runs longer ones on oneDNN's
 # tile kernels, 2.4-3.7x faster than the kernel on a Sapphire Rapids. Without AMX the kernel
-# measured faster at every chunk length (an AVX-512 EPYC: 1.1x on 512 tokens after 2,048,
-# 1.9x on a fresh 512-token prompt), so there it takes every chunk (benchmarks/README.md).
+# measured faster at every chunk length (an AVX-512 EPYC: 1.3x on 512 tokens after 2,048,
+# 2.1x on a fresh 512-token prompt), so there it takes every chunk (benchmarks/README.md).
 AMX_MAX_KERNEL_QUERY_LEN = 64
 
 

@@ -3,9 +3,10 @@
 //
 // Work is split into items (sequence, tile of up to kQueryTile new tokens), taken by
 // torch's intra-op threads from a shared counter, so a long chunk's tiles and many short
-// decodes spread evenly; a tile that attends to many keys becomes one item per KV head. An item walks its keys in chunks of KEYS tokens and, for each
-// chunk, every KV head in turn: a chunk's slots are contiguous in the cache, so each cache
-// line is read from memory once. Each head's keys and values are converted to fp32 once per
+// decodes spread evenly; a tile that attends to many keys becomes one item per KV head. An
+// item walks its keys in chunks of KEYS tokens and, for each chunk, each of its KV heads in
+// turn: a chunk's slots are contiguous in the cache, so each cache line is read from memory
+// once. Each head's keys and values are converted to fp32 once per
 // chunk and serve every query row of the head (the GQA group times the tile's tokens), RB
 // rows at a time so that one vector load feeds RB rows' FMAs. Softmax is online (flash
 // style) in fp32, in base 2 (the query is scaled by scale * log2(e)). The inner loops run
