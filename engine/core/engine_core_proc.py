@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from tidegate.engine.allocator import allocator_in_use
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.errors import EngineDeadError
@@ -65,6 +66,7 @@ def run_engine_core(
             use_own_devices(args, engine_index)
         # At one rank the worker runs in this process (uni), else in worker processes (mp).
         engine = EngineCore(args, engine_index=engine_index)
+        logger.info("engine core %d runs on malloc: %s", engine_index, allocator_in_use())
     except Exception as error:
         detail = str(error) if isinstance(error, ValueError) else traceback.format_exc()
         logger.error("engine core %d failed to start: %s", engine_index, detail)
