@@ -181,7 +181,16 @@ def decide(
     state = replace(state, recommendations=history, idle_since=idle_since)
 
     if current < policy.min_replicas or current > policy.max_replicas:
-        return _scale(state, now, current, recommended, f"outside the bounds; {why}")
+        # Back to the nearest bound at once (the bounds changed, or someone scaled by hand);
+        # the windows and rate limits take over from there.
+        bound = min(max(current, policy.min_replicas), policy.max_replicas)
+        return _scale(
+            state,
+            now,
+            current,
+            bound,
+            f"outside {policy.min_replicas}-{policy.max_replicas}; {why}",
+        )
     if current == 0 and signals.router_pending:
         # The router holds requests while nothing serves them: no window may delay the wake.
         return _scale(state, now, 0, max(recommended, 1), f"wake from zero: {why}")
@@ -199,7 +208,7 @@ def decide(
             return _hold(state, current, f"{why}; the rate limit holds growth this period")
         reason = why if up == recommended else f"{why}; lowest of the scale-up window {up}"
         if desired < up:
-            reason += f"; rate limit: {desired} of {up} this period"
+            reason += f"; the rate limit allows {desired} this period"
         return _scale(state, now, current, desired, reason)
     if down < current:
         if signals.pending or signals.rollout:
@@ -209,7 +218,7 @@ def decide(
             return _hold(state, current, f"{why}; the rate limit holds the shrink this period")
         reason = why if down == recommended else f"{why}; highest of the scale-down window {down}"
         if desired > down:
-            reason += f"; rate limit: {desired} of {down} this period"
+            reason += f"; the rate limit allows {desired} this period"
         return _scale(state, now, current, desired, reason)
     if recommended < current:
         window = policy.scale_down.stabilization_window_seconds

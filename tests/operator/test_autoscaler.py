@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tidegate.operator.autoscaler import (
+    TOLERANCE,
     Decision,
     PoolSignals,
     PoolTargets,
@@ -136,8 +137,8 @@ class Run:
 
 
 def needed(rate: float) -> int:
-    """Replicas that carry `rate` at the target concurrency."""
-    return math.ceil(rate * SERVICE_S / PER_REPLICA - 1e-9)
+    """The fewest replicas that carry `rate` at the target concurrency, within the tolerance."""
+    return math.ceil(rate * SERVICE_S / PER_REPLICA / (1 + TOLERANCE) - 1e-9)
 
 
 def simulate(
@@ -201,16 +202,19 @@ def test_replicas_stay_within_min_and_max_at_every_step(name: str) -> None:
         assert POLICY.min_replicas <= decision.desired <= POLICY.max_replicas, decision.reason
 
 
-# Why these bounds: growth at least doubles per period (pods 4 or 100%), so a rise of load
-# needs at most log2(max / min) + 1 = 6 growths; shrinking is one pod a minute, so it makes
-# at most one event per unit of overshoot; and the 300 s scale-down window keeps a shrink
-# from following a growth closer than that, so a load change makes at most one reversal.
+# Why these bounds: growth at least doubles per period (pods 4 or 100%), so one rise of load
+# needs at most log2(max / min) + 1 = 6 growths, and a slow rise (ramp, diurnal) one growth per
+# replica it adds; shrinking makes at most one event per replica of overshoot, so at most
+# max - min = 19 per fall. Flapping shows as reversals (a shrink then a growth or the
+# reverse): the 300 s scale-down window keeps one load change to at most one, and the
+# diurnal trace (two days' shape in two hours: needs of 2 to 15 replicas) to one per peak
+# and one per trough.
 EVENT_BOUNDS = {
-    "step": (6, 20, 1),  # (growths, shrinks, reversals) over 7,200 s
-    "ramp": (12, 20, 1),
-    "spike": (6, 20, 1),
-    "diurnal": (12, 24, 4),  # two days' shape in two hours: two rises, two falls
-    "noisy-flat": (1, 1, 1),  # +-20% noise around a flat load is inside the tolerance
+    "step": (6, 19, 1),  # (growths, shrinks, reversals) over 7,200 s
+    "ramp": (15, 19, 1),
+    "spike": (6, 19, 1),
+    "diurnal": (2 * 14, 2 * 14, 4),
+    "noisy-flat": (1, 0, 0),  # +-20% around a flat load: one growth to cover the peaks
 }
 
 
@@ -263,7 +267,8 @@ def test_a_spike_is_absorbed_and_the_pool_settles_back() -> None:
 def test_a_noisy_flat_load_is_left_alone_once_sized() -> None:
     run = simulate(noisy_flat, 7200)
     assert [d.reason for d in run.events if d.desired < d.current] == []
-    assert len({d.desired for d in run.decisions[4:]}) == 1
+    assert len(run.events) <= 1  # at most one growth, to cover the noise's peaks
+    assert run.ready[-1] >= needed(6.0 * 1.2)
 
 
 def test_diurnal_load_is_tracked_up_and_down() -> None:
@@ -480,7 +485,8 @@ def test_demand_still_grows_the_pool_while_it_cools_down() -> None:
 def test_a_pool_outside_its_bounds_is_brought_back_at_once() -> None:
     bounded = policy(minReplicas=3, maxReplicas=5)
     assert decide(bounded, TARGETS, PoolSignals(ready=1), ScalerState(), 0.0).desired == 3
-    assert decide(bounded, TARGETS, PoolSignals(ready=9), ScalerState(), 0.0).desired == 5
+    above = decide(bounded, TARGETS, PoolSignals(ready=9), ScalerState(), 0.0)
+    assert above.desired == 5 and "outside 3-5" in above.reason
 
 
 def test_demand_over_max_is_capped_and_says_so() -> None:
