@@ -31,9 +31,15 @@ from dataclasses import dataclass, field
 
 from common import machine, scenario_parser, table, update_readme, write_result
 from tidegate.operator.autoscaler import PoolSignals, PoolTargets, ScalerState, decide
-from tidegate.operator.spec import AutoscalingPolicy
+from tidegate.operator.spec import AutoscalingPolicy, ScaleDownRules
 
 TICK_S = 15.0  # how often the operator decides, as the HPA's sync period
+# Quicker shrinks than the default, to show what each costs in SLO attainment.
+SCALE_DOWN_SWEEP = [
+    {"stabilizationWindowSeconds": 120, "pods": 1, "percent": 25, "periodSeconds": 30},
+    {"stabilizationWindowSeconds": 60, "pods": 1, "percent": 10, "periodSeconds": 60},
+    {"stabilizationWindowSeconds": 60, "pods": 2, "percent": 50, "periodSeconds": 30},
+]
 LATENCY_WINDOW_S = 60.0  # the TTFTs a decision's p90 is taken over
 
 
@@ -101,6 +107,7 @@ class Fleet:
     replicas: list[Replica] = field(default_factory=list)
     queue: deque[Request] = field(default_factory=deque)
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (first token at, TTFT)
+    clock: float = 0.0  # the time of the last event run
 
     def add(self, now: float, count: int, start_s: float | None = None) -> None:
         """Ask for `count` pods; they serve `start_s` later."""
@@ -136,11 +143,12 @@ class Fleet:
             # A queued request starts when a slot is free and it has arrived.
             start_at = None
             if self.queue and next_free is not None:
-                start_at = max(next_free[0], self.queue[0].arrival)
+                start_at = max(next_free[0], self.queue[0].arrival, self.clock)
             candidates = [c for c in (start_at, next_end and next_end[0]) if c is not None]
             if not candidates or min(candidates) > now:
                 return
             if start_at is not None and (next_end is None or start_at <= next_end[0]):
+                self.clock = start_at
                 replica = self.replicas[next_free[1]]
                 request = self.queue.popleft()
                 ttft = start_at - request.arrival + self.prefill_s
@@ -148,6 +156,7 @@ class Fleet:
                 seconds = self.prefill_s + request.output_tokens * self.slots / self.tok_per_s
                 heapq.heappush(replica.running, start_at + seconds)
             else:
+                self.clock = next_end[0]
                 replica = self.replicas[next_end[1]]
                 heapq.heappop(replica.running)
                 if replica.draining and not replica.running:
@@ -266,6 +275,12 @@ def main() -> None:
             f"{name}: {results[name]['within_ttft_slo']:.1%} within the TTFT SLO, "
             f"{results[name]['replica_seconds']:.0f} replica-seconds"
         )
+    sweep = []
+    for rules in SCALE_DOWN_SWEEP:
+        quicker = policy.model_copy(update={"scale_down": ScaleDownRules.model_validate(rules)})
+        fleet = Fleet(args.slots, args.tok_per_s, args.start_s, args.prefill_ms / 1000)
+        run = simulate(requests, duration, fleet, None, quicker, targets)
+        sweep.append({"scaleDown": rules, **{k: v for k, v in run.items() if k != "events"}})
     max_fleet = results[f"fixed max ({args.max_replicas})"]
     auto = results["autoscaler"]
     share = auto["replica_seconds"] / max_fleet["replica_seconds"]
@@ -298,6 +313,7 @@ def main() -> None:
         "policy": policy.model_dump(by_alias=True),
         "ttft_slo_ms": args.ttft_slo_ms,
         "results": results,
+        "scale_down_sweep": sweep,
         "autoscaler_replica_seconds_share": round(share, 3),
         "target_met": met,
         "verdict": verdict,
@@ -332,7 +348,22 @@ def main() -> None:
             ],
             rows,
         )
-        + f"\n\n{verdict}.\n\n`python benchmarks/autoscaling.py`: a replica serves "
+        + f"\n\n{verdict}.\n\nQuicker shrinks (the autoscaler with `scaleDown` changed):\n\n"
+        + table(
+            ["scaleDown", "within TTFT SLO", "replica-seconds / fixed max", "scale events"],
+            [
+                [
+                    f"window {r['scaleDown']['stabilizationWindowSeconds']} s, "
+                    f"{r['scaleDown']['pods']} pods or {r['scaleDown']['percent']}% per "
+                    f"{r['scaleDown']['periodSeconds']} s",
+                    f"{r['within_ttft_slo']:.1%}",
+                    f"{r['replica_seconds'] / max_fleet['replica_seconds']:.0%}",
+                    r["scale_events"],
+                ]
+                for r in sweep
+            ],
+        )
+        + "\n\n`python benchmarks/autoscaling.py`: a replica serves "
         f"{args.tok_per_s} output tok/s over {args.slots} slots and starts in {args.start_s} s "
         "(results/serving_vs_vllm.json, results/serve_startup.json); the autoscaler decides "
         f"every {TICK_S:.0f} s with minReplicas {args.min_replicas}, maxReplicas "
