@@ -6,7 +6,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from tidegate.operator.autoscaler import DEFAULT_START_TIME_S, pool_targets, starting_replicas
 from tidegate.operator.render import Rendered, RenderOptions, render
+from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec, parse_spec
 from tidegate.operator.tuning import Tuning
 
 
@@ -33,6 +35,9 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
         out.write(f"# {resource['metadata']['name']}: {rendered.endpoint}\n")
         for reason in rendered.tuning.reasons():
             out.write(f"#   {reason}\n")
+        for role, row in _scaling_rows(parse_spec(resource["spec"])):
+            if row[0] == "replicas":
+                out.write(f"#   {role}.replicas={row[1]}: {row[2]}\n")
         for obj in rendered.objects:
             out.write("---\n")
             out.write(yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=100))
@@ -48,6 +53,9 @@ def write_table(resources: list[dict[str, Any]], plans: list[Rendered], out: Tex
         out.write("\n")
         out.write(_table(("ROLE", "FLAG", "VALUE", "REASON"), _tuning_rows(rendered.tuning)))
         out.write("\n")
+        rows = [(role, *row) for role, row in _scaling_rows(parse_spec(resource["spec"]))]
+        out.write(_table(("ROLE", "SCALING", "VALUE", "REASON"), rows))
+        out.write("\n")
 
 
 def _tuning_rows(tuning: Tuning) -> list[tuple[str, ...]]:
@@ -57,6 +65,75 @@ def _tuning_rows(tuning: Tuning) -> list[tuple[str, ...]]:
             value = f"{choice.value}" + (" (set)" if choice.user_set else "")
             rows.append((role, name, value, choice.reason))
     return rows
+
+
+def _scaling_rows(spec: LLMDeploymentSpec) -> list[tuple[str, tuple[str, str, str]]]:
+    """Each pool's replicas, and for an autoscaled one its policy, with what each value does."""
+    policies = spec.autoscaling.policies() if spec.autoscaling else {}
+    rows = []
+    for role, pool in spec.topology.roles().items():
+        policy = policies.get(role)
+        if policy is None:
+            rows.append((role, ("replicas", str(pool.replicas), f"fixed: no autoscaling.{role}")))
+            continue
+        rows += [(role, row) for row in _policy_rows(spec, role, policy, pool.replicas)]
+    return rows
+
+
+def _policy_rows(
+    spec: LLMDeploymentSpec, role: str, policy: AutoscalingPolicy, replicas: int
+) -> list[tuple[str, str, str]]:
+    slo = spec.scheduling.slo
+    targets = pool_targets(policy, role, spec.scheduling.max_num_seqs, slo.ttft_ms, slo.itl_ms)
+    given = policy.targets.requests_per_replica is not None
+    bounds = f"{policy.min_replicas}-{policy.max_replicas}"
+    start = starting_replicas(policy, replicas)
+    zero = (
+        f"; to 0 after {policy.idle_before_zero_seconds} s without a request, the router holds "
+        "requests and wakes it"
+        if policy.min_replicas == 0
+        else ""
+    )
+    up, down = policy.scale_up, policy.scale_down
+    latency = (
+        f"p90 {targets.latency_name} <= {targets.latency_slo_s * 1000:.0f} ms"
+        if targets.latency_slo_s is not None
+        else "off"
+    )
+    return [
+        ("replicas", bounds, f"autoscaled, starts at {start}{zero}"),
+        (
+            "requestsPerReplica",
+            f"{targets.requests_per_replica}" + (" (set)" if given else ""),
+            "running + waiting requests one replica carries"
+            + ("" if given else "; default: scheduling.maxNumSeqs"),
+        ),
+        (
+            "waitingRequestsPerReplica",
+            str(targets.waiting_per_replica),
+            "above it, one more replica per requestsPerReplica of the excess",
+        ),
+        (
+            "kvCacheUsagePercent",
+            str(policy.targets.kv_cache_usage_percent),
+            "grows above, shrinks below (10% tolerance)",
+        ),
+        ("slo", latency, "grows while missed" if targets.latency_slo_s else "not a target"),
+        (
+            "scaleUp",
+            f"{up.pods} pods or {up.percent}% per {up.period_seconds} s, "
+            f"window {up.stabilization_window_seconds} s",
+            "grows to the lowest recommendation of the window; after growing, KV and latency "
+            f"wait a pod's measured start time ({DEFAULT_START_TIME_S:.0f} s until measured)",
+        ),
+        (
+            "scaleDown",
+            f"{down.pods} pods or {down.percent}% per {down.period_seconds} s, "
+            f"window {down.stabilization_window_seconds} s",
+            "shrinks to the highest recommendation of the window; never while pods are "
+            "pending or a rollout runs",
+        ),
+    ]
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -328,6 +328,90 @@ class AuthSpec(SpecModel):
     ) = None
 
 
+# Growing follows the HPA's defaults (double, or add 4 pods, every 15 s, with no window).
+# Shrinking is gentler than the HPA's: an LLM pod that goes takes minutes of weight loading
+# to come back, so a pool sheds one pod (or 10%) a minute, after five minutes of lower demand.
+class ScaleUpRules(SpecModel):
+    """How fast a pool may grow: a stabilization window and a rate limit."""
+
+    stabilization_window_seconds: int = Field(
+        0, ge=0, le=3600, description="Grow only to the lowest recommendation of this window."
+    )
+    pods: int = Field(4, ge=1, le=1000, description="Pods one period may add, or percent.")
+    percent: int = Field(100, ge=0, le=1000, description="Percent one period may add, or pods.")
+    period_seconds: int = Field(15, ge=1, le=1800)
+
+
+class ScaleDownRules(SpecModel):
+    """How fast a pool may shrink: a stabilization window and a rate limit."""
+
+    stabilization_window_seconds: int = Field(
+        300, ge=0, le=3600, description="Shrink only to the highest recommendation of this window."
+    )
+    pods: int = Field(1, ge=1, le=1000, description="Pods one period may remove, or percent.")
+    percent: int = Field(10, ge=0, le=100, description="Percent one period may remove, or pods.")
+    period_seconds: int = Field(60, ge=1, le=1800)
+
+
+class AutoscalingTargets(SpecModel):
+    """What one replica should carry; the pool takes the most replicas any signal asks for."""
+
+    requests_per_replica: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Running plus waiting requests per replica; absent: scheduling.maxNumSeqs.",
+    )
+    waiting_requests_per_replica: int = Field(
+        2, ge=0, le=65536, description="Waiting requests per replica above which the pool grows."
+    )
+    kv_cache_usage_percent: int = Field(80, ge=1, le=100)
+    slo: bool = Field(
+        True,
+        description="Grow while the p90 TTFT (prefill, unified) or ITL (decode) misses its SLO.",
+    )
+
+
+class AutoscalingPolicy(SpecModel):
+    """Bounds, targets and pace of one autoscaled pool."""
+
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    targets: AutoscalingTargets = AutoscalingTargets()
+    scale_up: ScaleUpRules = ScaleUpRules()
+    scale_down: ScaleDownRules = ScaleDownRules()
+    idle_before_zero_seconds: int = Field(600, ge=0, le=86400)
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> AutoscalingPolicy:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be at most maxReplicas")
+        return self
+
+
+class AutoscalingSpec(SpecModel):
+    """Autoscaled pools by role; a pool without a policy keeps its topology replicas."""
+
+    unified: AutoscalingPolicy | None = None
+    prefill: AutoscalingPolicy | None = None
+    decode: AutoscalingPolicy | None = None
+
+    def policies(self) -> dict[str, AutoscalingPolicy]:
+        """The policies given, by role name."""
+        given = {"unified": self.unified, "prefill": self.prefill, "decode": self.decode}
+        return {role: policy for role, policy in given.items() if policy is not None}
+
+
+# The CRD's rules on spec as a whole: they read autoscaling and topology together.
+AUTOSCALING_UNIFIED_ONLY = "autoscaling.unified is only allowed when mode is unified"
+AUTOSCALING_ROLES_ONLY = (
+    "autoscaling.prefill and autoscaling.decode are only allowed when mode is disaggregated"
+)
+ZERO_NEEDS_ROUTER = (
+    "minReplicas 0 needs a router to hold requests: topology.router.replicas must be at least 1"
+)
+
+
 class LLMDeploymentSpec(SpecModel):
     """spec of an LLMDeployment."""
 
@@ -352,6 +436,25 @@ class LLMDeploymentSpec(SpecModel):
     scheduling: SchedulingSpec = SchedulingSpec()
     service: ServiceSpec = ServiceSpec()
     auth: AuthSpec | None = None
+    autoscaling: AutoscalingSpec | None = None
+
+    @model_validator(mode="after")
+    def _autoscaling_fits_topology(self) -> LLMDeploymentSpec:
+        if self.autoscaling is None:
+            return self
+        policies = self.autoscaling.policies()
+        mode = self.topology.mode
+        if "unified" in policies and mode != "unified":
+            raise ValueError(AUTOSCALING_UNIFIED_ONLY)
+        if {"prefill", "decode"} & policies.keys() and mode != "disaggregated":
+            raise ValueError(AUTOSCALING_ROLES_ONLY)
+        # A pool at zero replicas serves nothing: something must hold its requests meanwhile.
+        # Disaggregated pools have the router; a unified pool that may reach zero gets one.
+        router = self.topology.router
+        zero = any(policy.min_replicas == 0 for policy in policies.values())
+        if zero and router is not None and router.replicas == 0:
+            raise ValueError(ZERO_NEEDS_ROUTER)
+        return self
 
 
 class SpecError(ValueError):

@@ -82,6 +82,11 @@ def _version_section(kind: str, group: str, version: dict[str, Any]) -> list[str
             continue
         prop = schema["properties"][section]
         lines += [f"### {section}", "", _text(prop.get("description", "")), ""]
+        section_rules = prop.get("x-kubernetes-validations") or []
+        if section_rules:
+            lines += [f"Rules on the whole {section}:", ""]
+            lines += [f"- {_cell(r['message'])} (`{_text(r['rule'])}`)" for r in section_rules]
+            lines.append("")
         lines += ["| Field | Type | Default | Description |", "| --- | --- | --- | --- |"]
         required = section in (schema.get("required") or [])
         rows = list(_walk(section, prop, required))[1:]  # the section itself is the heading

@@ -137,3 +137,26 @@ def test_api_server_cpu_reads_the_servers_cpu_per_token(tmp_path):
     assert entry["runs"][0]["n=4"]["output_tokens"] == 1 * 4 * 16
     assert entry["cpu_ms_per_token"]["n=4"] > 0 and entry["commit"]
     assert "<!-- api-server-cpu -->" in readme.read_text()
+
+
+def test_autoscaling_compares_three_fleets_on_one_trace(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nhand-written text stays\n")
+    command = [sys.executable, str(BENCHMARKS / "autoscaling.py"), "--smoke"]
+    subprocess.run(
+        [*command, "--out-dir", str(tmp_path), "--readme", str(readme)], check=True, timeout=120
+    )
+    result = json.loads((tmp_path / "autoscaling.json").read_text())
+    fleets = result["results"]
+    assert set(fleets) == {"fixed max (8)", "fixed min (1)", "autoscaler"}
+    requests = result["trace"]["requests"]
+    assert all(fleet["requests"] == requests for fleet in fleets.values())  # every one served
+    # More pods cost more and serve sooner; the autoscaler sits between the fixed fleets.
+    assert fleets["fixed min (1)"]["replica_seconds"] < fleets["fixed max (8)"]["replica_seconds"]
+    assert fleets["fixed max (8)"]["within_ttft_slo"] >= fleets["fixed min (1)"]["within_ttft_slo"]
+    auto = fleets["autoscaler"]
+    assert auto["replica_seconds"] < fleets["fixed max (8)"]["replica_seconds"]
+    assert auto["scale_events"] > 0 and all(e["reason"] for e in auto["events"])
+    assert isinstance(result["target_met"], bool) and result["verdict"]
+    text = readme.read_text()
+    assert "hand-written text stays" in text and "<!-- autoscaling -->" in text

