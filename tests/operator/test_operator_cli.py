@@ -23,8 +23,14 @@ def tidegate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
 
 
-def test_plan_prints_objects_and_tuning_with_reasons() -> None:
-    result = tidegate("plan", "-f", str(EXAMPLES / "llama-70b-8gpu.yaml"))
+def test_plan_prints_objects_and_tuning_with_reasons(tmp_path: Path) -> None:
+    # The 70B example with an autoscaling policy (the examples carry none until the
+    # operator acts on one).
+    resource = yaml.safe_load((EXAMPLES / "llama-70b-8gpu.yaml").read_text())
+    resource["spec"]["autoscaling"] = {"unified": {"minReplicas": 1, "maxReplicas": 4}}
+    manifest = tmp_path / "llama-70b-autoscaled.yaml"
+    manifest.write_text(yaml.safe_dump(resource))
+    result = tidegate("plan", "-f", str(manifest))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "http://llama-3-70b.default.svc:8000/v1" in out
