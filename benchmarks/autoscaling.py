@@ -5,12 +5,13 @@ autoscaler (`tidegate.operator.autoscaler.decide`, the operator's own function) 
 15 s. The capacities are the engine's, measured by other scenarios:
 
 - a replica's output tokens/s at saturation: 257.52, `tidegate` at rate inf in
-  `results/serving_vs_vllm.json` (small model, 2-core CPU), shared by `--slots` running
+  `results/serving_vs_vllm.json` as recorded on an AVX2-only EPYC (small model, 2 cores;
+  the file's git history: the run of 2026-12-02 on AVX-512 gave 336), shared by `--slots` running
   requests (16: the burst size of `results/executor_backend_small.json`);
 - a pod's start time: 14.112 s, the small model's median seconds to healthy in
   `results/serve_startup.json` (a Kubernetes pod adds scheduling and image pulls: see
   `--start-s`);
-- a request's prefill: 258 ms, the TTFT p50 at 1 req/s in `results/serving_vs_vllm.json`.
+- a request's prefill: 258 ms, the TTFT p50 at 1 req/s in that same run (193 ms in the later).
 
 The queueing model: requests wait in one FCFS queue (the router's); a free slot of a ready
 replica takes the next one; its TTFT is its wait plus the prefill, and it then holds the slot
