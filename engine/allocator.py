@@ -20,7 +20,8 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+
+from tidegate.engine.config import CpuAllocator
 
 # gperftools' allocator without the heap profiler (Debian: libtcmalloc-minimal4, renamed
 # libtcmalloc-minimal4t64 in Debian 13), then the full library (libgoogle-perftools4).
@@ -36,8 +37,6 @@ LIBRARY_DIRS = (
 )
 # Names of mallocs a user may already have preloaded; theirs wins.
 _PRELOADED_MALLOCS = ("tcmalloc", "jemalloc", "mimalloc")
-
-Allocator = Literal["auto", "tcmalloc", "system"]
 
 
 def find_tcmalloc(dirs: Sequence[str] = LIBRARY_DIRS) -> str | None:
@@ -65,7 +64,7 @@ def runs_on_cpu(device: str) -> bool:
 
 
 def preload_for(
-    allocator: Allocator,
+    allocator: CpuAllocator,
     device: str,
     current_preload: str = "",
     dirs: Sequence[str] = LIBRARY_DIRS,
@@ -94,7 +93,7 @@ def preload_for(
 
 
 @contextlib.contextmanager
-def child_environment(allocator: Allocator, device: str) -> Iterator[None]:
+def child_environment(allocator: CpuAllocator, device: str) -> Iterator[None]:
     """Within the block, processes spawned get tcmalloc in LD_PRELOAD (as `preload_for` says).
 
     The variable is restored afterwards, so this process's other children are unaffected.

@@ -11,6 +11,10 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else 
 API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag gives it
 
 
+# The mallocs an engine process may run on (engine/allocator.py carries the choice out).
+CpuAllocator = Literal["auto", "tcmalloc", "system"]
+
+
 class EngineArgs(BaseModel):
     """Everything that shapes one engine instance. Field names are vLLM's where one exists."""
 
@@ -139,7 +143,7 @@ class EngineArgs(BaseModel):
         "tensor_parallel_size times data_parallel_size_local.",
     )
 
-    cpu_allocator: Literal["auto", "tcmalloc", "system"] = Field(
+    cpu_allocator: CpuAllocator = Field(
         "auto",
         description="malloc of the engine-core and worker processes. auto: tcmalloc on CPU "
         "where the machine has it (Debian: libtcmalloc-minimal4; more throughput under "

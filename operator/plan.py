@@ -8,7 +8,7 @@ import yaml
 
 from tidegate.operator.autoscaler import DEFAULT_START_TIME_S, pool_targets, starting_replicas
 from tidegate.operator.render import Rendered, RenderOptions, render
-from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec, parse_spec
+from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec
 from tidegate.operator.tuning import Tuning
 
 
@@ -35,7 +35,7 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
         out.write(f"# {resource['metadata']['name']}: {rendered.endpoint}\n")
         for reason in rendered.tuning.reasons():
             out.write(f"#   {reason}\n")
-        for role, row in _scaling_rows(parse_spec(resource["spec"])):
+        for role, row in _scaling_rows(rendered.spec):
             if row[0] == "replicas":
                 out.write(f"#   {role}.replicas={row[1]}: {row[2]}\n")
         for obj in rendered.objects:
@@ -53,7 +53,7 @@ def write_table(resources: list[dict[str, Any]], plans: list[Rendered], out: Tex
         out.write("\n")
         out.write(_table(("ROLE", "FLAG", "VALUE", "REASON"), _tuning_rows(rendered.tuning)))
         out.write("\n")
-        rows = [(role, *row) for role, row in _scaling_rows(parse_spec(resource["spec"]))]
+        rows = [(role, *row) for role, row in _scaling_rows(rendered.spec)]
         out.write(_table(("ROLE", "SCALING", "VALUE", "REASON"), rows))
         out.write("\n")
 

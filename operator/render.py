@@ -68,11 +68,12 @@ class RenderOptions:
 
 @dataclass(frozen=True)
 class Rendered:
-    """The objects to apply, and the tuning they carry."""
+    """The objects to apply, the tuning they carry, and the parsed spec they came from."""
 
     objects: list[dict[str, Any]]
     tuning: Tuning
     endpoint: str
+    spec: LLMDeploymentSpec
 
 
 def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Rendered:
@@ -114,7 +115,7 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
         for role in ("prefill", "decode", "router"):
             objects.append(ctx.pdb(role))
         objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
-    return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource))
+    return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource), spec=spec)
 
 
 def endpoint_of(resource: dict[str, Any]) -> str:
