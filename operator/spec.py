@@ -392,6 +392,9 @@ class AutoscalingPolicy(SpecModel):
 class AutoscalingSpec(SpecModel):
     """Autoscaled pools by role; a pool without a policy keeps its topology replicas."""
 
+    driver: Literal["operator", "keda", "hpa"] = Field(
+        "operator", description="Who acts on the policies"
+    )
     unified: AutoscalingPolicy | None = None
     prefill: AutoscalingPolicy | None = None
     decode: AutoscalingPolicy | None = None
