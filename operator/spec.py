@@ -195,6 +195,8 @@ class RoleSpec(SpecModel):
 class RouterSpec(SpecModel):
     """The pods that send each request to a prefill pod and then a decode pod."""
 
+    # In unified mode: the balancer in front of a pool that may reach zero (it holds requests).
+
     replicas: int = Field(1, ge=0, le=1000)
 
 
@@ -214,10 +216,8 @@ class TopologySpec(SpecModel):
                 raise ValueError("prefill and decode are required when mode is disaggregated")
             if self.unified is not None:
                 raise ValueError("unified is only allowed when mode is unified")
-        elif any(role is not None for role in (self.prefill, self.decode, self.router)):
-            raise ValueError(
-                "prefill, decode and router are only allowed when mode is disaggregated"
-            )
+        elif self.prefill is not None or self.decode is not None:
+            raise ValueError("prefill and decode are only allowed when mode is disaggregated")
         return self
 
     def roles(self) -> dict[str, RoleSpec]:
@@ -389,15 +389,48 @@ class AutoscalingPolicy(SpecModel):
         return self
 
 
+class PrometheusSpec(SpecModel):
+    """The Prometheus that KEDA's triggers query for the engines' and the router's metrics."""
+
+    server_address: Annotated[
+        str,
+        Field(min_length=1, max_length=2048),
+        _matches(
+            r"https?://[!-~]+",
+            "must be an http:// or https:// URL of printable ASCII characters, without spaces",
+        ),
+    ] = Field(description="Prometheus's base URL, as KEDA reaches it")
+
+
+# The CRD's rules on spec.autoscaling: what each driver can do.
+KEDA_NEEDS_PROMETHEUS = (
+    "driver keda needs prometheus.serverAddress: the Prometheus its triggers query"
+)
+HPA_CANNOT_REACH_ZERO = (
+    "driver hpa cannot scale a pool to zero (a HorizontalPodAutoscaler needs the alpha "
+    "HPAScaleToZero feature gate for that): set minReplicas to at least 1, or use driver "
+    "operator or keda"
+)
+
+
 class AutoscalingSpec(SpecModel):
     """Autoscaled pools by role; a pool without a policy keeps its topology replicas."""
 
     driver: Literal["operator", "keda", "hpa"] = Field(
         "operator", description="Who acts on the policies"
     )
+    prometheus: PrometheusSpec | None = None
     unified: AutoscalingPolicy | None = None
     prefill: AutoscalingPolicy | None = None
     decode: AutoscalingPolicy | None = None
+
+    @model_validator(mode="after")
+    def _driver_can_serve(self) -> AutoscalingSpec:
+        if self.driver == "keda" and self.prometheus is None:
+            raise ValueError(KEDA_NEEDS_PROMETHEUS)
+        if self.driver == "hpa" and any(p.min_replicas == 0 for p in self.policies().values()):
+            raise ValueError(HPA_CANNOT_REACH_ZERO)
+        return self
 
     def policies(self) -> dict[str, AutoscalingPolicy]:
         """The policies given, by role name."""
@@ -412,6 +445,10 @@ AUTOSCALING_ROLES_ONLY = (
 )
 ZERO_NEEDS_ROUTER = (
     "minReplicas 0 needs a router to hold requests: topology.router.replicas must be at least 1"
+)
+UNIFIED_ROUTER_NEEDS_ZERO = (
+    "topology.router in unified mode is for a pool that may reach zero: it needs "
+    "autoscaling.unified.minReplicas 0"
 )
 
 
@@ -443,6 +480,9 @@ class LLMDeploymentSpec(SpecModel):
 
     @model_validator(mode="after")
     def _autoscaling_fits_topology(self) -> LLMDeploymentSpec:
+        unified_router = self.topology.mode == "unified" and self.topology.router is not None
+        if unified_router and not self.unified_may_reach_zero():
+            raise ValueError(UNIFIED_ROUTER_NEEDS_ZERO)
         if self.autoscaling is None:
             return self
         policies = self.autoscaling.policies()
@@ -458,6 +498,11 @@ class LLMDeploymentSpec(SpecModel):
         if zero and router is not None and router.replicas == 0:
             raise ValueError(ZERO_NEEDS_ROUTER)
         return self
+
+    def unified_may_reach_zero(self) -> bool:
+        """Whether a unified pool's policy lets it go to zero: a router then stands in front."""
+        policy = self.autoscaling.unified if self.autoscaling is not None else None
+        return self.topology.mode == "unified" and policy is not None and policy.min_replicas == 0
 
 
 class SpecError(ValueError):

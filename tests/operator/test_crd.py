@@ -31,8 +31,11 @@ from tidegate.operator.spec import (
     AUTOSCALING_ROLES_ONLY,
     AUTOSCALING_UNIFIED_ONLY,
     GROUP,
+    HPA_CANNOT_REACH_ZERO,
+    KEDA_NEEDS_PROMETHEUS,
     KIND,
     PLURAL,
+    UNIFIED_ROUTER_NEEDS_ZERO,
     VERSION,
     ZERO_NEEDS_ROUTER,
     LLMDeploymentSpec,
@@ -219,15 +222,27 @@ INVALID = [
     _row(
         "unified-with-prefill",
         {"topology": {"mode": "unified", "prefill": {"replicas": 1}}},
-        'spec.topology: Invalid value: "object": prefill, decode and router are only allowed '
-        "when mode is disaggregated",
-        "spec.topology: prefill, decode and router are only allowed when mode is disaggregated",
+        'spec.topology: Invalid value: "object": prefill and decode are only allowed when mode '
+        "is disaggregated",
+        "spec.topology: prefill and decode are only allowed when mode is disaggregated",
     ),
     _row(
-        "unified-router",
-        {"topology": {"router": {"replicas": 1}}},
-        "prefill, decode and router are only allowed when mode is disaggregated",
-        "prefill, decode and router are only allowed when mode is disaggregated",
+        "unified-router-without-zero",
+        {
+            "topology": {"router": {"replicas": 1}},
+            "autoscaling": {"unified": {"minReplicas": 1, "maxReplicas": 2}},
+        },
+        f'spec: Invalid value: "object": {UNIFIED_ROUTER_NEEDS_ZERO}',
+        f"spec: {UNIFIED_ROUTER_NEEDS_ZERO}",
+    ),
+    _row(
+        "unified-to-zero-without-a-router",
+        {
+            "topology": {"router": {"replicas": 0}},
+            "autoscaling": {"unified": {"minReplicas": 0, "maxReplicas": 2}},
+        },
+        f'spec: Invalid value: "object": {ZERO_NEEDS_ROUTER}',
+        f"spec: {ZERO_NEEDS_ROUTER}",
     ),
     _row(
         "disaggregated-with-unified",
@@ -433,6 +448,44 @@ INVALID = [
         },
         f'spec: Invalid value: "object": {ZERO_NEEDS_ROUTER}',
         f"spec: {ZERO_NEEDS_ROUTER}",
+    ),
+    _row(
+        "keda-without-prometheus",
+        {"autoscaling": {"driver": "keda", "unified": {"maxReplicas": 2}}},
+        f'spec.autoscaling: Invalid value: "object": {KEDA_NEEDS_PROMETHEUS}',
+        f"spec.autoscaling: {KEDA_NEEDS_PROMETHEUS}",
+    ),
+    _row(
+        "keda-prometheus-not-a-url",
+        {
+            "autoscaling": {
+                "driver": "keda",
+                "prometheus": {"serverAddress": "prometheus:9090"},
+                "unified": {"maxReplicas": 2},
+            }
+        },
+        'spec.autoscaling.prometheus.serverAddress: Invalid value: "string": must be an '
+        "http:// or https:// URL",
+        "spec.autoscaling.prometheus.serverAddress: must be an http:// or https:// URL",
+    ),
+    _row(
+        "hpa-unified-to-zero",
+        {"autoscaling": {"driver": "hpa", "unified": {"minReplicas": 0, "maxReplicas": 4}}},
+        f'spec.autoscaling: Invalid value: "object": {HPA_CANNOT_REACH_ZERO}',
+        f"spec.autoscaling: {HPA_CANNOT_REACH_ZERO}",
+    ),
+    _row(
+        "hpa-decode-to-zero",
+        {
+            "topology": DISAGGREGATED,
+            "autoscaling": {
+                "driver": "hpa",
+                "prefill": {"maxReplicas": 2},
+                "decode": {"minReplicas": 0, "maxReplicas": 4},
+            },
+        },
+        f'spec.autoscaling: Invalid value: "object": {HPA_CANNOT_REACH_ZERO}',
+        f"spec.autoscaling: {HPA_CANNOT_REACH_ZERO}",
     ),
     _row(
         "kv-usage-over-100-percent",
@@ -751,15 +804,34 @@ def _policies(zero: bool) -> st.SearchStrategy[dict]:
     )
 
 
+_PROMETHEUS = {"serverAddress": "http://prometheus-operated.monitoring.svc:9090"}
+
+
 def _with_autoscaling(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
-    """`spec`, or `spec` with policies for the pools its topology runs."""
+    """`spec`, or `spec` with policies for the pools its topology runs, and a driver."""
     topology = spec.get("topology", {})
+    return st.one_of(
+        st.just(spec),
+        st.sampled_from([None, "operator", "keda", "hpa"]).flatmap(
+            lambda driver: _driven(topology, driver).map(
+                lambda given: {**spec, "autoscaling": given}
+            )
+        ),
+    )
+
+
+def _driven(topology: dict[str, Any], driver: str | None) -> st.SearchStrategy[dict]:
+    """Policies a driver can act on: no zero for hpa (nor without a router), KEDA's Prometheus."""
+    zero = driver != "hpa"
     if topology.get("mode") == "disaggregated":
-        zero = topology.get("router", {}).get("replicas", 1) >= 1
+        zero = zero and topology.get("router", {}).get("replicas", 1) >= 1
         policies = _some(prefill=_policies(zero), decode=_policies(zero))
     else:
-        policies = _some(unified=_policies(True))
-    return st.one_of(st.just(spec), policies.map(lambda given: {**spec, "autoscaling": given}))
+        policies = _some(unified=_policies(zero))
+    if driver is None:
+        return policies
+    extra = {"driver": driver, **({"prometheus": _PROMETHEUS} if driver == "keda" else {})}
+    return policies.map(lambda given: {**given, **extra})
 
 
 _specs = _base_specs.flatmap(_with_autoscaling)
