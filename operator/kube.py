@@ -27,6 +27,8 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
 # ... and of every kind it reads or writes: those, and the LLMDeployment itself.
 KINDS: dict[tuple[str, str], str] = {**OWNED_KINDS, (API_VERSION, KIND): PLURAL}

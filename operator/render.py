@@ -3,13 +3,17 @@
 No I/O here: the handlers apply what `render` returns, `tidegate plan` prints it, and the
 tests validate it against the upstream Kubernetes schemas.
 
-Unified: ConfigMap, Deployment, Service, PodDisruptionBudget. Disaggregated: ConfigMap,
+Unified: ConfigMap, Deployment, Service, PodDisruptionBudget; when its policy lets the pool
+reach zero, a router Deployment in front (balancing, and holding requests at zero) behind the
+public Service, the engines behind a headless Service `<name>-unified`, and a
+PodDisruptionBudget for the router too. Disaggregated: ConfigMap,
 prefill and decode Deployments behind headless Services (the router resolves their pods),
 a router Deployment behind the public Service, a PodDisruptionBudget per Deployment, and a
 NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods' KV ports.
 Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
 that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
-commented with its reason.
+commented with its reason. With `autoscaling.driver` keda or hpa, each autoscaled pool also
+gets a KEDA ScaledObject or an HPA (`operator/render_scalers.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import yaml
 
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs, kv_port_layout
 from tidegate.operator.labels import child_labels, selector_labels
+from tidegate.operator.render_scalers import scaler_objects
 from tidegate.operator.spec import (
     API_VERSION,
     GROUP,
@@ -97,24 +102,29 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
     )
     objects: list[dict[str, Any]] = []
     configs = {role: _engine_config(ctx, t) for role, t in tuning.roles.items()}
-    if spec.topology.mode == "disaggregated":
+    # A unified pool that may reach zero is reached through a router, which holds requests
+    # while no engine is ready; the public Service then selects the router.
+    behind_router = spec.topology.mode == "disaggregated" or spec.unified_may_reach_zero()
+    if behind_router:
         configs["router"] = _router_config(ctx)
     objects.append(ctx.config_map(configs))
     for role, role_tuning in tuning.roles.items():
         replicas = spec.topology.roles()[role].replicas
         objects.append(ctx.engine_deployment(role, role_tuning, replicas, configs[role]))
-    if spec.topology.mode == "unified":
+    if not behind_router:
         objects.append(ctx.service(ctx.name, "unified", spec.service.port, headless=False))
         objects.append(ctx.pdb("unified"))
     else:
         router_replicas = spec.topology.router.replicas if spec.topology.router else 1
         objects.append(ctx.router_deployment(router_replicas, configs["router"]))
         objects.append(ctx.service(ctx.name, "router", spec.service.port, headless=False))
-        for role in ("prefill", "decode"):
+        for role in tuning.roles:
             objects.append(ctx.service(f"{ctx.name}-{role}", role, ENGINE_PORT, headless=True))
-        for role in ("prefill", "decode", "router"):
+        for role in [*tuning.roles, "router"]:
             objects.append(ctx.pdb(role))
-        objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
+        if spec.topology.mode == "disaggregated":
+            objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
+    objects += scaler_objects(spec, ctx.name, ctx.namespace, ctx.metadata)
     return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource), spec=spec)
 
 
@@ -176,9 +186,16 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
 
 
 def _router_config(ctx: _Context) -> str:
+    """P/D routing in disaggregated mode; in unified mode a balancer over the unified pool."""
+    if ctx.spec.topology.mode == "disaggregated":
+        pools = {
+            "prefill": [ctx.service_url(f"{ctx.name}-prefill")],
+            "decode": [ctx.service_url(f"{ctx.name}-decode")],
+        }
+    else:
+        pools = {"decode": [ctx.service_url(f"{ctx.name}-unified")]}
     values = {
-        "prefill": [ctx.service_url(f"{ctx.name}-prefill")],
-        "decode": [ctx.service_url(f"{ctx.name}-decode")],
+        **pools,
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
         **_tenancy_values(ctx.spec),

@@ -396,8 +396,10 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
     """Run the operator's own handlers (login, reconcile, delete) and collect what they call.
 
     The story: an LLMDeployment is created (children created, status patched), switched from
-    unified to disaggregated (the unified Deployment and PDB deleted as stale), someone edits
-    every child (each applied back), then the resource is deleted (children listed, deleted).
+    unified to disaggregated with an HPA per pool (the unified Deployment and PDB deleted as
+    stale), someone edits every child (each applied back), the driver becomes KEDA (the HPAs
+    deleted, ScaledObjects created) and every child is edited again, then the resource is
+    deleted (children listed, deleted).
     """
     kube = RecordingKube()
     monkeypatch.setattr(operator_handlers, "Kube", lambda info: kube)
@@ -418,16 +420,27 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
         await login(logger=logger)
         kube.objects[path] = copy.deepcopy(example)
         await reconcile_resource(body=example, logger=logger)
-        kube.objects[path]["spec"]["topology"] = {
+        spec = kube.objects[path]["spec"]
+        spec["topology"] = {
             "mode": "disaggregated",
             "prefill": {"replicas": 1},
             "decode": {"replicas": 1},
         }
+        policies = {"prefill": {"maxReplicas": 2}, "decode": {"maxReplicas": 2}}
+        spec["autoscaling"] = {"driver": "hpa", **policies}
         await reconcile_resource(body=example, logger=logger)
-        for key, child in kube.objects.items():
-            if key != path:
-                child["metadata"]["labels"][PART_OF_LABEL] = "edited"
+
+        async def edit_every_child() -> None:
+            for key, child in kube.objects.items():
+                if key != path:
+                    child["metadata"]["labels"][PART_OF_LABEL] = "edited"
+            await reconcile_resource(body=example, logger=logger)
+
+        await edit_every_child()
+        prometheus = {"serverAddress": "http://prometheus.monitoring.svc:9090"}
+        spec["autoscaling"] = {"driver": "keda", "prometheus": prometheus, **policies}
         await reconcile_resource(body=example, logger=logger)
+        await edit_every_child()
         await delete_children(body=kube.objects.pop(path), logger=logger)
 
     asyncio.run(story())

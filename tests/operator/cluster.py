@@ -36,6 +36,11 @@ _RESOURCES = {
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
+    "autoscaling/v2/horizontalpodautoscalers": {
+        "kind": "HorizontalPodAutoscaler",
+        "namespaced": True,
+    },
+    "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition",
         "namespaced": False,

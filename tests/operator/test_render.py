@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.operator.apiserver_validation import apiserver_refusals
+from tests.operator.crd_validation import CRDValidator, load_crd
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
 from tidegate.operator.kube import OWNED_KINDS
@@ -41,6 +42,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(glob.glob(str(REPO / "examples" / "*.yaml")))
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 UID = "6f1c2a44-3b7e-4c55-9a1d-0d2f7e9b8c11"
+# KEDA's ScaledObject CRD as KEDA publishes it (tests/operator/schemas/README.md says whence).
+KEDA_CRD = Path(__file__).resolve().parent / "schemas" / "keda.sh_scaledobjects.yaml"
+KEDA_SCALED_OBJECTS = CRDValidator(load_crd(KEDA_CRD), "v1alpha1")
 SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash", "-c"}
 TINY = 1e9  # parameters
 LLAMA_70B_MODEL = {
@@ -143,17 +147,22 @@ _accepted: set[tuple[str, str]] = set()
 
 
 def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
+    """Kubernetes `version` accepts each object; a ScaledObject, KEDA's published CRD does."""
     for obj in objects:
         key = (version, json.dumps(obj, sort_keys=True))
         if key in _accepted:
             continue
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as error:
-            pytest.fail(
-                f"{obj['kind']} {obj['metadata']['name']} is refused by Kubernetes {version}: "
-                f"{error.message} at {error.json_path}"
-            )
+        if obj["kind"] == "ScaledObject":
+            refused = KEDA_SCALED_OBJECTS.validate(obj)
+            assert refused == [], f"ScaledObject {obj['metadata']['name']}: {refused}"
+        else:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                pytest.fail(
+                    f"{obj['kind']} {obj['metadata']['name']} is refused by Kubernetes "
+                    f"{version}: {error.message} at {error.json_path}"
+                )
         assert apiserver_refusals(obj) == []
         _accepted.add(key)
 
@@ -207,6 +216,33 @@ TABLE = {
         "topology": disaggregated(
             prefill={"replicas": 0}, decode={"replicas": 0}, router={"replicas": 0}
         ),
+    },
+    "unified-to-zero-behind-a-router": {
+        "model": model(),
+        "topology": {"unified": {"replicas": 0}, "router": {"replicas": 2}},
+        "autoscaling": {"unified": {"minReplicas": 0, "maxReplicas": 4}},
+    },
+    "keda-unified-to-zero": {
+        "model": model(),
+        "autoscaling": {
+            "driver": "keda",
+            "prometheus": {"serverAddress": "http://prometheus-operated.monitoring.svc:9090"},
+            "unified": {"minReplicas": 0, "maxReplicas": 4, "idleBeforeZeroSeconds": 900},
+        },
+    },
+    "hpa-disaggregated": {
+        "model": model(),
+        "topology": disaggregated(prefill={"replicas": 2}, decode={"replicas": 2}),
+        "autoscaling": {
+            "driver": "hpa",
+            "prefill": {"minReplicas": 1, "maxReplicas": 6},
+            "decode": {
+                "minReplicas": 2,
+                "maxReplicas": 8,
+                "targets": {"waitingRequestsPerReplica": 0},
+                "scaleDown": {"percent": 0},
+            },
+        },
     },
     "user-set-chunks": {
         "model": model(parameterCount=7 * TINY),
@@ -321,6 +357,8 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
             ),
         )
     )
+    if draw(st.booleans()):
+        spec["autoscaling"] = draw(autoscaling_for(spec["topology"]))
     spec.update(
         draw(
             st.fixed_dictionaries(
@@ -361,6 +399,27 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
         )
     )
     return spec
+
+
+@st.composite
+def autoscaling_for(draw: st.DrawFn, topology: dict[str, Any]) -> dict[str, Any]:
+    """A driver and a policy per pool; minReplicas 0 where the driver and a router allow it."""
+    disaggregated = topology.get("mode") == "disaggregated"
+    driver = draw(st.sampled_from(["operator", "keda", "hpa"]))
+    router = topology.get("router", {}).get("replicas", 1) >= 1
+    lowest = 1 if driver == "hpa" or not router else 0
+    autoscaling: dict[str, Any] = {"driver": driver}
+    if driver == "keda":
+        autoscaling["prometheus"] = {"serverAddress": "http://prometheus.monitoring.svc:9090"}
+    for role in ("prefill", "decode") if disaggregated else ("unified",):
+        low = draw(st.integers(lowest, 2))
+        autoscaling[role] = {
+            "minReplicas": low,
+            "maxReplicas": draw(st.integers(max(low, 1), 10)),
+            "targets": {"waitingRequestsPerReplica": draw(st.integers(0, 4))},
+            "scaleDown": {"percent": draw(st.sampled_from([0, 10, 100]))},
+        }
+    return autoscaling
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -94,6 +94,14 @@ operator's code and compares.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.autoscaling.driver hpa: an autoscaling/v2 HorizontalPodAutoscaler per pool.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.autoscaling.driver keda: a KEDA ScaledObject per pool.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # kopf posts warnings and errors about a resource as core/v1 Events.
 - apiGroups: [""]
   resources: ["events"]
