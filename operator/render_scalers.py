@@ -182,7 +182,10 @@ class _Pool:
         # waiting requests too, is the queue's signal.
         if targets.waiting_per_replica:
             metrics.append(_pods_metric(HPA_WAITING_METRIC, str(targets.waiting_per_replica)))
-        metrics.append(_pods_metric(HPA_KV_METRIC, f"{kv_milli}m"))
+        # As the API server writes the quantity back ("1000m" becomes "1"), so that the
+        # reconcile finds the live HPA equal to the rendered one.
+        kv = str(kv_milli // 1000) if kv_milli % 1000 == 0 else f"{kv_milli}m"
+        metrics.append(_pods_metric(HPA_KV_METRIC, kv))
         return {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",

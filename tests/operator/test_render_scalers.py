@@ -297,6 +297,21 @@ def test_hpa_renders_one_per_pool_on_pods_metrics() -> None:
     }
 
 
+@pytest.mark.parametrize(("percent", "quantity"), [(100, "1"), (80, "800m"), (1, "10m")])
+def test_hpa_kv_target_is_the_canonical_quantity(percent: int, quantity: str) -> None:
+    """The API server stores quantities canonically; another spelling would re-apply forever."""
+    targets = {"kvCacheUsagePercent": percent}
+    rendered = render_spec(
+        {
+            "model": model(),
+            "autoscaling": {"driver": "hpa", "unified": {"maxReplicas": 2, "targets": targets}},
+        }
+    )
+    (hpa,) = of_kind(rendered, "HorizontalPodAutoscaler")
+    (kv,) = [m for m in hpa["spec"]["metrics"] if m["pods"]["metric"]["name"] == HPA_KV_METRIC]
+    assert kv["pods"]["target"]["averageValue"] == quantity
+
+
 def test_hpa_without_a_waiting_target_leaves_the_queue_to_the_requests_metric() -> None:
     rendered = render_spec(
         {
