@@ -104,7 +104,7 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
     configs = {role: _engine_config(ctx, t) for role, t in tuning.roles.items()}
     # A unified pool that may reach zero is reached through a router, which holds requests
     # while no engine is ready; the public Service then selects the router.
-    behind_router = spec.topology.mode == "disaggregated" or spec.unified_may_reach_zero()
+    behind_router = spec.has_router()
     if behind_router:
         configs["router"] = _router_config(ctx)
     objects.append(ctx.config_map(configs))

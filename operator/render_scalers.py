@@ -58,7 +58,7 @@ def scaler_objects(
     for role, policy in autoscaling.policies().items():
         slo = spec.scheduling.slo
         targets = pool_targets(policy, role, spec.scheduling.max_num_seqs, slo.ttft_ms, slo.itl_ms)
-        pool = _Pool(name, namespace, role, policy, targets, router=_has_router(spec))
+        pool = _Pool(name, namespace, role, policy, targets, router=spec.has_router())
         if autoscaling.driver == "keda":
             assert autoscaling.prometheus is not None  # the spec's rule
             obj = pool.scaled_object(autoscaling.prometheus.server_address)
@@ -67,10 +67,6 @@ def scaler_objects(
         head = {"apiVersion": obj.pop("apiVersion"), "kind": obj.pop("kind")}
         objects.append({**head, "metadata": metadata(pool.deployment, role), **obj})
     return objects
-
-
-def _has_router(spec: LLMDeploymentSpec) -> bool:
-    return spec.topology.mode == "disaggregated" or spec.unified_may_reach_zero()
 
 
 def behavior(policy: AutoscalingPolicy) -> dict[str, Any]:

@@ -499,6 +499,10 @@ class LLMDeploymentSpec(SpecModel):
             raise ValueError(ZERO_NEEDS_ROUTER)
         return self
 
+    def has_router(self) -> bool:
+        """Whether a router is in front: when disaggregated, or of a pool that may reach zero."""
+        return self.topology.mode == "disaggregated" or self.unified_may_reach_zero()
+
     def unified_may_reach_zero(self) -> bool:
         """Whether a unified pool's policy lets it go to zero: a router then stands in front."""
         policy = self.autoscaling.unified if self.autoscaling is not None else None
