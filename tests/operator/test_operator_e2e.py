@@ -490,6 +490,42 @@ def test_switching_mode_removes_what_the_other_mode_wanted(
     )
 
 
+def test_the_driver_objects_follow_the_policy_and_the_driver(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    policy = {"minReplicas": 1, "maxReplicas": 3}
+    cluster.create(llmd("driven", tiny_spec(autoscaling={"driver": "hpa", "unified": policy})))
+    hpa = wait_for(lambda: get(cluster, "HorizontalPodAutoscaler", "driven"), what="the HPA")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "driven"
+    assert hpa["metadata"]["ownerReferences"][0]["uid"] == "uid-driven"
+
+    # KEDA, and a pool that may reach zero: a ScaledObject, and a router in front.
+    keda = {
+        "driver": "keda",
+        "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090"},
+        "unified": {**policy, "minReplicas": 0},
+    }
+    edit_spec(cluster, "driven", tiny_spec(autoscaling=keda))
+    scaled = wait_for(lambda: get(cluster, "ScaledObject", "driven"), what="the ScaledObject")
+    assert scaled["spec"]["minReplicaCount"] == 0
+    wait_for(lambda: get(cluster, "HorizontalPodAutoscaler", "driven") is None, what="HPA gone")
+    wait_for(lambda: get(cluster, "Deployment", "driven-router"), what="the router")
+    wait_for(
+        lambda: get(cluster, "Service", "driven")["spec"]["selector"][COMPONENT_LABEL] == "router",
+        what="the public Service on the router",
+    )
+    assert get(cluster, "Service", "driven-unified")["spec"]["clusterIP"] == "None"
+
+    # No policy: the pool is served directly again, and nothing scales it.
+    edit_spec(cluster, "driven", tiny_spec())
+    wait_for(lambda: get(cluster, "ScaledObject", "driven") is None, what="ScaledObject gone")
+    wait_for(lambda: get(cluster, "Deployment", "driven-router") is None, what="router gone")
+    wait_for(
+        lambda: get(cluster, "Service", "driven")["spec"]["selector"][COMPONENT_LABEL] == "unified",
+        what="the public Service on the unified pool",
+    )
+
+
 def test_deleting_the_resource_leaves_children_to_the_garbage_collector(
     cluster: EmulatedCluster, operator: KopfRunner
 ) -> None:
