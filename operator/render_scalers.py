@@ -59,13 +59,12 @@ def scaler_objects(
         slo = spec.scheduling.slo
         targets = pool_targets(policy, role, spec.scheduling.max_num_seqs, slo.ttft_ms, slo.itl_ms)
         pool = _Pool(name, namespace, role, policy, targets, router=spec.has_router())
+        meta = metadata(pool.deployment, role)
         if autoscaling.driver == "keda":
             assert autoscaling.prometheus is not None  # the spec's rule
-            obj = pool.scaled_object(autoscaling.prometheus.server_address)
+            objects.append(pool.scaled_object(meta, autoscaling.prometheus.server_address))
         else:
-            obj = pool.horizontal_pod_autoscaler()
-        head = {"apiVersion": obj.pop("apiVersion"), "kind": obj.pop("kind")}
-        objects.append({**head, "metadata": metadata(pool.deployment, role), **obj})
+            objects.append(pool.horizontal_pod_autoscaler(meta))
     return objects
 
 
@@ -120,7 +119,7 @@ class _Pool:
 
     # -- KEDA -----------------------------------------------------------------------------
 
-    def scaled_object(self, server_address: str) -> dict[str, Any]:
+    def scaled_object(self, meta: dict[str, Any], server_address: str) -> dict[str, Any]:
         policy = self.policy
         spec: dict[str, Any] = {
             "scaleTargetRef": self.scale_target(),
@@ -136,7 +135,12 @@ class _Pool:
             _prometheus_trigger(name, server_address, query, threshold, activation)
             for name, query, threshold, activation in self.keda_signals()
         ]
-        return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "spec": spec}
+        return {
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "ScaledObject",
+            "metadata": meta,
+            "spec": spec,
+        }
 
     def keda_signals(self) -> list[tuple[str, str, str, str | None]]:
         """(trigger name, PromQL, threshold, activation threshold) of each signal.
@@ -170,7 +174,7 @@ class _Pool:
 
     # -- HPA ------------------------------------------------------------------------------
 
-    def horizontal_pod_autoscaler(self) -> dict[str, Any]:
+    def horizontal_pod_autoscaler(self, meta: dict[str, Any]) -> dict[str, Any]:
         targets = self.targets
         kv_milli = round(targets.kv_cache_usage * 1000)
         metrics = [_pods_metric(HPA_REQUESTS_METRIC, str(targets.requests_per_replica))]
@@ -185,6 +189,7 @@ class _Pool:
         return {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
+            "metadata": meta,
             "spec": {
                 "scaleTargetRef": self.scale_target(),
                 "minReplicas": self.policy.min_replicas,
