@@ -370,6 +370,9 @@ class _Context:
         pod_spec = self.pod_spec(container, volumes)
         if init is not None:
             pod_spec["initContainers"] = [init]
+        if self.spec.model.cache is not None and self.spec.model.cache.pvc is not None:
+            # Else the kubelet may chown every file of the shared claim at each pod's start.
+            pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
         return self.deployment(name, role, replicas, pod_spec, config)
 
     def router_deployment(self, replicas: int, config: str) -> dict[str, Any]:

@@ -933,6 +933,16 @@ def test_a_cached_uri_is_fetched_once_into_the_shared_volume(cache, expected) ->
     assert flags["compile-cache-dir"].startswith("/var/cache/tidegate/compile/")
 
 
+def test_a_shared_claim_is_not_chowned_again_at_every_start() -> None:
+    rendered = cached(PVC_CACHE, topology=disaggregated())
+    for name in ("llm-prefill", "llm-decode"):
+        context = pod_spec(find(rendered, "Deployment", name))["securityContext"]
+        assert context["fsGroupChangePolicy"] == "OnRootMismatch"
+    # fsGroup does not reach a hostPath: nothing to say there.
+    deployment = find(cached(HOST_CACHE), "Deployment", "llm")
+    assert "fsGroupChangePolicy" not in pod_spec(deployment)["securityContext"]
+
+
 def test_every_pool_shares_one_fetch_and_one_compile_cache() -> None:
     rendered = cached(PVC_CACHE, topology=disaggregated())
     prefill, decode = role_config(rendered, "prefill"), role_config(rendered, "decode")
