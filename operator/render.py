@@ -48,6 +48,9 @@ CONFIG_DIR = "/etc/tidegate"
 SECRET_DIR = "/var/run/secrets/tidegate"
 API_KEY_FILE = f"{SECRET_DIR}/api-key"
 MODEL_DIR = "/model"
+# spec.model.cache is mounted here, writable: models/<uri digest> holds a fetched model, and
+# compile/<image and model digest> the compiled kernels, which only that image and model use.
+CACHE_DIR = "/var/cache/tidegate"
 SPEC_HASH = f"{GROUP}/spec-hash"
 # SIGTERM drains in-flight requests for this long (tidegate serve --shutdown-timeout) ...
 SHUTDOWN_TIMEOUT_S = 30
@@ -154,7 +157,7 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     """The role's `--config` file: every flag the operator sets, tuned ones with their reasons."""
     spec = ctx.spec
     values: dict[str, Any] = {
-        "model": MODEL_DIR,
+        "model": ctx.model_path(),
         "served_model_name": [spec.model.name],
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
@@ -168,6 +171,8 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     }
     if spec.model.max_model_len is not None:
         values["max_model_len"] = spec.model.max_model_len
+    if spec.model.cache is not None:
+        values["compile_cache_dir"] = ctx.compile_cache_dir()
     if tuning.role != "unified":
         values["kv_role"] = "producer" if tuning.role == "prefill" else "consumer"
     reasons: dict[str, str] = {}
@@ -246,6 +251,11 @@ def kv_ports(tuning: RoleTuning) -> list[dict[str, Any]]:
     ]
 
 
+def cached_model_dir(uri: str) -> str:
+    """Where spec.model.cache holds the model fetched from `uri`: a folder per URI."""
+    return f"{CACHE_DIR}/models/{_digest(uri)}"
+
+
 def _health_check() -> dict[str, Any]:
     return {"httpGet": {"path": "/health", "port": "http"}}
 
@@ -262,6 +272,18 @@ class _Context:
     owner: list[dict[str, Any]]
     spec: LLMDeploymentSpec
     image: str
+
+    def model_path(self) -> str:
+        """Where the engine reads the model: the cache's copy of a fetched one, else MODEL_DIR."""
+        source = self.spec.model.source
+        if self.spec.model.cache is not None and source.uri is not None:
+            return cached_model_dir(source.uri)
+        return MODEL_DIR
+
+    def compile_cache_dir(self) -> str:
+        """The compile cache on spec.model.cache: one per image (torch build) and model."""
+        source = self.spec.model.source.model_dump(by_alias=True, exclude_none=True)
+        return f"{CACHE_DIR}/compile/{_digest(self.image, source)}"
 
     @property
     def config_map_name(self) -> str:
@@ -365,6 +387,9 @@ class _Context:
         pod_spec = self.pod_spec(container, volumes)
         if init is not None:
             pod_spec["initContainers"] = [init]
+        if self.spec.model.cache is not None and self.spec.model.cache.pvc is not None:
+            # Else the kubelet may chown every file of the shared claim at each pod's start.
+            pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
         return self.deployment(name, role, replicas, pod_spec, config)
 
     def router_deployment(self, replicas: int, config: str) -> dict[str, Any]:
@@ -529,15 +554,23 @@ class _Context:
     def model_volume(
         self,
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
-        """(volumes, engine mounts, init container) that put the model folder at MODEL_DIR."""
+        """(volumes, engine mounts, init container) that put the model folder at model_path()."""
         source = self.spec.model.source
-        shm = {
+        volumes: list[dict[str, Any]] = [
             # Workers exchange step inputs through /dev/shm; the container default is 64 MiB.
-            "name": "dshm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"},
-        }
-        shm_mount = {"name": "dshm", "mountPath": "/dev/shm"}
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+        ]
+        mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        if self.spec.model.cache is not None:
+            cache_volume, cache_mount = self.cache_volume()
+            volumes.append(cache_volume)
+            mounts.append(cache_mount)
+            if source.uri is not None:
+                # Into the cache, once for all the pods that share it: the others wait.
+                fetch = ["--shared", source.uri, self.model_path()]
+                return volumes, mounts, self.fetch_container(fetch, cache_mount)
         model_mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+        mounts.append(model_mount)
         if source.pvc is not None:
             volume = {
                 "name": "model",
@@ -545,21 +578,42 @@ class _Context:
             }
             if source.pvc.path:
                 model_mount["subPath"] = source.pvc.path.strip("/")
-            return [shm, volume], [shm_mount, model_mount], None
+            return [*volumes, volume], mounts, None
         if source.host_path is not None:
             volume = {
                 "name": "model",
                 "hostPath": {"path": source.host_path.path, "type": "Directory"},
             }
-            return [shm, volume], [shm_mount, model_mount], None
+            return [*volumes, volume], mounts, None
         assert source.uri is not None
         empty_dir: dict[str, Any] = {}
         if self.weight_bytes():
             # The archive and the folder unpacked from it are on the volume together.
             empty_dir["sizeLimit"] = f"{math.ceil(self.weight_bytes() * 2.2 / 2**30)}Gi"
         volume = {"name": "model", "emptyDir": empty_dir}
+        init = self.fetch_container(
+            [source.uri, MODEL_DIR], {"name": "model", "mountPath": MODEL_DIR}
+        )
+        return [*volumes, volume], mounts, init
+
+    def cache_volume(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """spec.model.cache as a volume, and its writable mount at CACHE_DIR."""
+        cache = self.spec.model.cache
+        assert cache is not None
+        volume: dict[str, Any] = {"name": "model-cache"}
+        if cache.host_path is not None:
+            # An existing folder: one the kubelet created would be root's, and the pods'
+            # user could not write to it (fsGroup does not reach hostPath volumes).
+            volume["hostPath"] = {"path": cache.host_path.path, "type": "Directory"}
+        else:
+            assert cache.pvc is not None
+            volume["persistentVolumeClaim"] = {"claimName": cache.pvc.claim_name}
+        return volume, {"name": "model-cache", "mountPath": CACHE_DIR}
+
+    def fetch_container(self, args: list[str], model_mount: dict[str, Any]) -> dict[str, Any]:
+        """The init container that runs `tidegate fetch-model ARGS` onto `model_mount`."""
         # The URI is one argument of an exec'd command, never part of a shell line.
-        init = self.container("fetch-model", ["fetch-model", source.uri, MODEL_DIR])
+        init = self.container("fetch-model", ["fetch-model", *args])
         init["name"] = "fetch-model"
         del init["ports"]
         # It streams the archive to disk in 1 MiB pieces: little CPU, bounded memory.
@@ -567,8 +621,5 @@ class _Context:
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},
         }
-        init["volumeMounts"] = [
-            {"name": "model", "mountPath": MODEL_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ]
-        return [shm, volume], [shm_mount, model_mount], init
+        init["volumeMounts"] = [model_mount, {"name": "tmp", "mountPath": "/tmp"}]
+        return init

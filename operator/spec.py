@@ -164,6 +164,33 @@ class ModelSource(SpecModel):
         return self
 
 
+class CacheHostPath(SpecModel):
+    """A folder on each node's disk that the node's pods share: one fetch per node."""
+
+    path: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^/[^/]"), _no_dots] = Field(
+        description="Absolute path of an existing folder below the root"
+    )
+
+
+class CachePVC(SpecModel):
+    """A ReadWriteMany PersistentVolumeClaim that pods on every node share: one fetch in all."""
+
+    claim_name: DNSSubdomain
+
+
+class ModelCache(SpecModel):
+    """A writable volume for the fetched model and compiled kernels: exactly one of hostPath, pvc."""
+
+    host_path: CacheHostPath | None = None
+    pvc: CachePVC | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelCache:
+        if (self.host_path is None) == (self.pvc is None):
+            raise ValueError("exactly one of hostPath or pvc must be set")
+        return self
+
+
 class ModelSpec(SpecModel):
     """The model to serve and what the tuner may know about it."""
 
@@ -176,6 +203,7 @@ class ModelSpec(SpecModel):
         ),
     ] = Field(description="Served model name.")
     source: ModelSource
+    cache: ModelCache | None = None
     parameter_count: float | None = Field(None, ge=1, le=1e14, description="Weights, for tuning.")
     num_attention_heads: int | None = Field(None, ge=1, le=65536)
     num_key_value_heads: int | None = Field(None, ge=1, le=65536)

@@ -38,6 +38,7 @@ from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
     API_KEY_FILE,
+    CACHE_DIR,
     CONFIG_DIR,
     SECRET_DIR,
     Rendered,
@@ -134,8 +135,10 @@ def plan_pods(
     config_dir = workdir / "config"
     config_dir.mkdir(parents=True, exist_ok=True)
     secret_dir = _local_secrets(rendered, workdir)
+    cache_dir = _local_cache(rendered, workdir)
     for key, text in config_map["data"].items():
-        (config_dir / key).write_text(text.replace(SECRET_DIR, str(secret_dir)))
+        text = text.replace(SECRET_DIR, str(secret_dir)).replace(CACHE_DIR, str(cache_dir))
+        (config_dir / key).write_text(text)
     deployments = sorted(
         (o for o in rendered.objects if o["kind"] == "Deployment"),
         key=lambda o: START_ORDER.index(o["metadata"]["labels"][COMPONENT_LABEL]),
@@ -152,6 +155,15 @@ def plan_pods(
             )
     _assign_ports_and_flags(pods, model_dir, port, rendered)
     return pods
+
+
+def _local_cache(rendered: Rendered, workdir: Path) -> Path:
+    """The folder standing for spec.model.cache: its hostPath where this machine has it (this
+    machine is the node), else one under workdir that the local replicas share."""
+    cache = rendered.spec.model.cache
+    if cache is not None and cache.host_path is not None and Path(cache.host_path.path).is_dir():
+        return Path(cache.host_path.path)
+    return workdir / "model-cache"
 
 
 def _local_secrets(

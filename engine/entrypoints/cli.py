@@ -53,9 +53,10 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _fetch_model(ns: argparse.Namespace) -> int:
-    from tidegate.engine.entrypoints.fetch_model import fetch_model
+    from tidegate.engine.entrypoints.fetch_model import fetch_model, fetch_model_shared
 
-    print(fetch_model(ns.uri, ns.dest))
+    fetch = fetch_model_shared if ns.shared else fetch_model
+    print(fetch(ns.uri, ns.dest))
     return 0
 
 
@@ -90,6 +91,12 @@ def add_serve(parser: argparse.ArgumentParser, config: dict[str, Any] | None) ->
 def add_fetch_model(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
     parser.add_argument("uri", help="http(s):// or file:// .tar/.tar.gz of the folder, or a dir")
     parser.add_argument("dest", help="folder to fill")
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="DEST is in a cache other pods fill too: fetch once under DEST.lock and rename "
+        "the finished folder into place (DEST itself must not be a mount point)",
+    )
     parser.set_defaults(handler=_fetch_model)
 
 

@@ -4,14 +4,23 @@ The URI names a .tar, .tar.gz or .tgz of a Hugging Face model folder, over http(
 file:// path (a file:// directory is copied). A finished fetch leaves a marker, so a restarted
 init container does nothing; an interrupted one starts over. Archive members that would land
 outside DIR (absolute paths, `..`, links out) are refused.
+
+With `--shared`, DIR is a folder of a cache that other pods fill too (a node's disk, a
+ReadWriteMany claim): fetchers of one DIR take a lock on `DIR.lock` beside it, the first fills
+`.DIR.partial` and renames it to DIR with the marker already inside, and the others wait on
+the lock, then find DIR complete and download nothing. A fetcher that dies leaves at most a
+partial folder, which the next one clears; the kernel releases its lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import tarfile
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 DONE_MARKER = ".tidegate-fetched"
@@ -25,44 +34,102 @@ class FetchError(ValueError):
 def fetch_model(uri: str, dest: str | Path, timeout_s: float = 60.0) -> Path:
     """Fetch `uri` into `dest` unless an earlier fetch of the same URI finished there."""
     dest = Path(dest)
-    marker = dest / DONE_MARKER
-    if marker.exists() and marker.read_text() == uri:
+    if is_complete(dest, uri):
         return dest
+    _check_uri(uri)
+    dest.mkdir(parents=True, exist_ok=True)
+    # dest is often a mount point (an emptyDir), so it is filled in place.
+    _clear(dest)
+    _fill(uri, dest, timeout_s)
+    return dest
+
+
+def fetch_model_shared(uri: str, dest: str | Path, timeout_s: float = 60.0) -> Path:
+    """Fetch `uri` into `dest` of a shared cache: once, under a lock, renamed into place whole."""
+    dest = Path(dest)
+    if is_complete(dest, uri):  # dest appears whole, marker included: no lock needed to see it
+        return dest
+    _check_uri(uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with lock_beside(dest):
+        if is_complete(dest, uri):  # another pod filled it while this one waited
+            return dest
+        partial = dest.parent / f".{dest.name}.partial"
+        _remove(partial)  # left by a fetcher that died
+        partial.mkdir()
+        _fill(uri, partial, timeout_s)
+        # Only a folder without this URI's marker is here: a half one from elsewhere, or
+        # another URI's. Moved aside first, since a folder cannot be renamed over a full one.
+        stale = dest.parent / f".{dest.name}.stale"
+        _remove(stale)
+        if dest.exists():
+            dest.rename(stale)
+        partial.rename(dest)
+        _remove(stale)
+    return dest
+
+
+def is_complete(dest: Path, uri: str) -> bool:
+    """Whether a fetch of `uri` finished in `dest`: its marker decides, not what else is there."""
+    marker = dest / DONE_MARKER
+    return marker.is_file() and marker.read_text() == uri
+
+
+@contextmanager
+def lock_beside(dest: Path) -> Iterator[None]:
+    """An exclusive lock on `<dest>.lock`, held until the block ends or the process dies.
+
+    POSIX (fcntl) locks rather than flock: NFS, which most ReadWriteMany claims are, carries
+    them to its server, so pods on different nodes exclude each other too.
+    """
+    with (dest.parent / f"{dest.name}.lock").open("a") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # blocks while another fetcher holds it
+        yield  # closing the file releases the lock
+
+
+def _check_uri(uri: str) -> None:
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme not in ("http", "https", "file"):
         raise FetchError(f"unsupported URI scheme {parsed.scheme!r}: use http, https or file")
-    dest.mkdir(parents=True, exist_ok=True)
-    _clear(dest)
+    is_folder = parsed.scheme == "file" and Path(parsed.path).is_dir()
+    if not is_folder and not parsed.path.endswith(_ARCHIVE_SUFFIXES):
+        raise FetchError(f"{uri} is not a .tar, .tar.gz or .tgz archive nor a directory")
+
+
+def _fill(uri: str, folder: Path, timeout_s: float) -> None:
+    """Put the model of `uri` into the empty `folder`, and its marker last."""
+    parsed = urllib.parse.urlparse(uri)
     if parsed.scheme == "file" and Path(parsed.path).is_dir():
-        shutil.copytree(parsed.path, dest, dirs_exist_ok=True)
+        shutil.copytree(parsed.path, folder, dirs_exist_ok=True)
     else:
-        if not parsed.path.endswith(_ARCHIVE_SUFFIXES):
-            raise FetchError(f"{uri} is not a .tar, .tar.gz or .tgz archive nor a directory")
-        # The archive goes on the same volume as the model: /tmp may be too small for weights.
-        # (and dest is often a mount point, so nothing can be put beside it).
-        archive = dest / ".tidegate-download"
+        # The archive goes on the same volume as the model: /tmp may be too small for weights
+        # (and the folder is often a mount point, so nothing can be put beside it).
+        archive = folder / ".tidegate-download"
         try:
             with (
                 urllib.request.urlopen(uri, timeout=timeout_s) as response,
                 archive.open("wb") as f,
             ):
                 shutil.copyfileobj(response, f, length=1 << 20)
-            _extract(archive, dest)
+            _extract(archive, folder)
         finally:
             archive.unlink(missing_ok=True)
-        _lift_single_folder(dest)
-    if not (dest / "config.json").exists():
+        _lift_single_folder(folder)
+    if not (folder / "config.json").exists():
         raise FetchError(f"{uri} holds no config.json at its top level: not a model folder")
-    marker.write_text(uri)
-    return dest
+    (folder / DONE_MARKER).write_text(uri)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _clear(dest: Path) -> None:
     for entry in dest.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        _remove(entry)
 
 
 def _extract(archive: Path, dest: Path) -> None:

@@ -160,3 +160,16 @@ def test_autoscaling_compares_three_fleets_on_one_trace(tmp_path):
     assert isinstance(result["target_met"], bool) and result["verdict"]
     text = readme.read_text()
     assert "hand-written text stays" in text and "<!-- autoscaling -->" in text
+
+
+@pytest.mark.slow
+def test_cold_start_fetches_once_for_two_replicas(tmp_path):
+    readme = tmp_path / "README.md"
+    command = [sys.executable, str(BENCHMARKS / "cold_start.py"), "--smoke"]
+    subprocess.run([*command, "--out-dir", str(tmp_path), "--readme", str(readme)], check=True)
+    result = json.loads((tmp_path / "cold_start.json").read_text())
+    first, second = result["summary"]["first"], result["summary"]["second"]
+    assert (first["downloads"], second["downloads"]) == (1, 0)
+    assert first["start_to_ready_s"] > 0 and second["start_to_ready_s"] > 0
+    assert "load_average_1m_at_start" in result["machine"]
+    assert "<!-- cold-start -->" in readme.read_text()

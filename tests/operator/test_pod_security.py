@@ -105,6 +105,19 @@ def resources() -> dict[str, dict[str, Any]]:
             "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "api-key"}},
         },
     )
+    # A writable hostPath (spec.model.cache) shared by the node's pods.
+    out["cached-gpu"] = llm_deployment(
+        "cached",
+        {
+            "model": {
+                "name": "llama-3-8b",
+                "source": {"uri": "https://models.example/llama-3-8b.tar.gz"},
+                "cache": {"hostPath": {"path": "/var/cache/tidegate"}},
+                "parameterCount": 8.0e9,
+            },
+            "accelerator": gpu,
+        },
+    )
     out["disaggregated-gpu"] = llm_deployment(
         "split",
         {

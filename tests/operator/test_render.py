@@ -167,6 +167,9 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
         _accepted.add(key)
 
 
+HOST_CACHE = {"hostPath": {"path": "/var/cache/tidegate"}}
+PVC_CACHE = {"pvc": {"claimName": "model-cache"}}
+
 TABLE = {
     "unified-cpu-hostpath": {"model": model()},
     "pvc-without-path": {"model": model({"pvc": {"claimName": "models"}})},
@@ -174,6 +177,14 @@ TABLE = {
     "uri-init-container": {
         "model": model({"uri": "https://models.example/llama.tar.gz"}, parameterCount=3 * TINY)
     },
+    "uri-cache-host-path": {
+        "model": model({"uri": "https://models.example/llama.tar.gz"}, cache=HOST_CACHE),
+    },
+    "uri-cache-pvc-disaggregated": {
+        "model": model({"uri": "https://models.example/llama.tar.gz"}, cache=PVC_CACHE),
+        "topology": disaggregated(),
+    },
+    "pvc-source-cache": {"model": model({"pvc": {"claimName": "models"}}, cache=HOST_CACHE)},
     "one-gpu": {"model": model(parameterCount=7 * TINY), "accelerator": gpus(1)},
     "eight-gpus-70b": {
         "model": LLAMA_70B_MODEL,
@@ -320,6 +331,7 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
                 "numKeyValueHeads": st.just(8),
                 "maxModelLen": st.sampled_from([2048, 8192, 32768]),
                 "dtype": st.sampled_from(["auto", "bfloat16", "float16"]),
+                "cache": st.sampled_from([HOST_CACHE, PVC_CACHE]),
             },
         )
     )
@@ -690,7 +702,12 @@ SERVE_FLAGS = {
     name.replace("_", "-") for model in (EngineArgs, ServerArgs) for name in model.model_fields
 }
 ROUTER_FLAGS = {name.replace("_", "-") for name in RouterArgs.model_fields}
-CONFIG_CASES = ["unified-cpu-hostpath", "eight-gpus-70b", "disaggregated-gpu-uri-auth"]
+CONFIG_CASES = [
+    "unified-cpu-hostpath",
+    "eight-gpus-70b",
+    "disaggregated-gpu-uri-auth",
+    "uri-cache-pvc-disaggregated",
+]
 
 
 @pytest.mark.parametrize("case", CONFIG_CASES)
@@ -935,6 +952,90 @@ def test_uri_model_volume_is_unbounded_when_the_model_size_is_unknown() -> None:
     rendered = render_spec({"model": model({"uri": "https://h/m.tar"})})
     model_volume, _ = model_volume_and_mount(rendered)
     assert "sizeLimit" not in model_volume["emptyDir"]
+
+
+# --- spec.model.cache: one fetch and one compile for the pods that share it ------------------
+
+CACHED_URI = "https://models.example/llama.tar.gz"
+
+
+def cached(cache: dict[str, Any], **spec: Any) -> Rendered:
+    return render_spec({"model": model({"uri": CACHED_URI}, cache=cache), **spec})
+
+
+@pytest.mark.parametrize(
+    ("cache", "expected"),
+    [
+        (HOST_CACHE, {"hostPath": {"path": "/var/cache/tidegate", "type": "Directory"}}),
+        (PVC_CACHE, {"persistentVolumeClaim": {"claimName": "model-cache"}}),
+    ],
+    ids=["host-path", "pvc"],
+)
+def test_a_cached_uri_is_fetched_once_into_the_shared_volume(cache, expected) -> None:
+    deployment = find(cached(cache), "Deployment", "llm")
+    assert volume(deployment, "model-cache") == {"name": "model-cache", **expected}
+    assert "model" not in {v["name"] for v in pod_spec(deployment)["volumes"]}  # no emptyDir
+    (init,) = pod_spec(deployment)["initContainers"]
+    model_dir = role_config(cached(cache), "unified")["model"]
+    assert model_dir.startswith("/var/cache/tidegate/models/")
+    assert init["args"] == ["fetch-model", "--shared", CACHED_URI, model_dir]
+    assert mount(init, "/var/cache/tidegate") == {
+        "name": "model-cache",
+        "mountPath": "/var/cache/tidegate",
+    }
+    engine = main_container(deployment)
+    # Writable: the engine writes its compiled kernels there.
+    assert not mount(engine, "/var/cache/tidegate").get("readOnly")
+    assert "/model" not in {m["mountPath"] for m in engine["volumeMounts"]}
+    flags = role_config(cached(cache), "unified")
+    assert flags["model"] == model_dir
+    assert flags["compile-cache-dir"].startswith("/var/cache/tidegate/compile/")
+
+
+def test_a_shared_claim_is_not_chowned_again_at_every_start() -> None:
+    rendered = cached(PVC_CACHE, topology=disaggregated())
+    for name in ("llm-prefill", "llm-decode"):
+        context = pod_spec(find(rendered, "Deployment", name))["securityContext"]
+        assert context["fsGroupChangePolicy"] == "OnRootMismatch"
+    # fsGroup does not reach a hostPath: nothing to say there.
+    deployment = find(cached(HOST_CACHE), "Deployment", "llm")
+    assert "fsGroupChangePolicy" not in pod_spec(deployment)["securityContext"]
+
+
+def test_every_pool_shares_one_fetch_and_one_compile_cache() -> None:
+    rendered = cached(PVC_CACHE, topology=disaggregated())
+    prefill, decode = role_config(rendered, "prefill"), role_config(rendered, "decode")
+    assert prefill["model"] == decode["model"]
+    assert prefill["compile-cache-dir"] == decode["compile-cache-dir"]
+    # A second resource of the same image and model starts warm from the first one's kernels.
+    other = role_config(cached(PVC_CACHE, topology=disaggregated()), "prefill")
+    assert other["compile-cache-dir"] == prefill["compile-cache-dir"]
+
+
+def test_another_image_or_model_compiles_into_a_folder_of_its_own() -> None:
+    base = role_config(cached(HOST_CACHE), "unified")["compile-cache-dir"]
+    new_image = role_config(cached(HOST_CACHE, image="r.example/tg:2"), "unified")
+    other_uri = {"model": model({"uri": "https://models.example/b.tar"}, cache=HOST_CACHE)}
+    other_model = role_config(render_spec(other_uri), "unified")
+    assert len({base, new_image["compile-cache-dir"], other_model["compile-cache-dir"]}) == 3
+    assert other_model["model"] != role_config(cached(HOST_CACHE), "unified")["model"]
+
+
+def test_a_volume_source_with_a_cache_keeps_its_read_only_model_and_caches_kernels() -> None:
+    rendered = render_spec(TABLE["pvc-source-cache"])
+    deployment = find(rendered, "Deployment", "llm")
+    assert "initContainers" not in pod_spec(deployment)
+    engine = main_container(deployment)
+    assert mount(engine, "/model")["readOnly"] is True
+    assert mount(engine, "/var/cache/tidegate")["name"] == "model-cache"
+    flags = role_config(rendered, "unified")
+    assert flags["model"] == "/model"
+    assert flags["compile-cache-dir"].startswith("/var/cache/tidegate/compile/")
+
+
+def test_without_a_cache_the_engine_keeps_its_own_compile_cache() -> None:
+    for case in ("unified-cpu-hostpath", "uri-init-container"):
+        assert "compile-cache-dir" not in role_config(render_spec(TABLE[case]), "unified")
 
 
 @pytest.mark.parametrize("case", TABLE)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.up import (
@@ -55,6 +56,24 @@ def test_disaggregated_pods_get_local_ports_configs_and_each_others_urls(tmp_pat
     assert flag(router.command, "--prefill") == [prefill.url]
     assert flag(router.command, "--decode") == [decode.url]
     assert prefill.flags["longPrefillTokenThreshold"] == "auto"
+
+
+@pytest.mark.parametrize("on_this_machine", [True, False])
+def test_the_model_cache_is_a_local_folder_the_replicas_share(tmp_path, on_this_machine):
+    node_cache = tmp_path / "node-cache"
+    if on_this_machine:
+        node_cache.mkdir()
+    resource = copy.deepcopy(example("disaggregated-tiny.yaml"))
+    resource["spec"]["model"]["cache"] = {"hostPath": {"path": str(node_cache)}}
+    pods = plan_pods(resource, Path("/m"), 9000, tmp_path / "up")
+    local = node_cache if on_this_machine else tmp_path / "up" / "model-cache"
+    compile_dirs = {
+        yaml.safe_load(Path(flag(pod.command, "--config")[0]).read_text())["compile-cache-dir"]
+        for pod in pods
+        if pod.role != "router"
+    }
+    (compile_dir,) = compile_dirs  # prefill and decode share their kernels
+    assert Path(compile_dir).parent == local / "compile"
 
 
 def test_several_unified_replicas_get_a_balancing_router(tmp_path: Path) -> None:

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.engine.entrypoints.fetch_model import DONE_MARKER, FetchError, fetch_model
+from tidegate.engine.entrypoints.fetch_model import (
+    DONE_MARKER,
+    FetchError,
+    fetch_model,
+    fetch_model_shared,
+)
 
 
 def make_model_folder(root: Path) -> Path:
@@ -91,3 +96,37 @@ def test_an_archive_without_a_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FetchError, match=r"no config\.json"):
         fetch_model(f"file://{archive}", tmp_path / "dest")
     assert not (tmp_path / "dest" / DONE_MARKER).exists()
+
+
+def test_shared_a_half_folder_without_the_marker_is_fetched_again(tmp_path: Path) -> None:
+    archive = make_archive(make_model_folder(tmp_path / "m"), tmp_path / "m.tar")
+    uri = f"file://{archive}"
+    cache = tmp_path / "cache"
+    dest = cache / "abc"
+    # What a fetcher that died, or something other than fetch-model, left behind.
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text("half")
+    (cache / ".abc.partial").mkdir()
+    (cache / ".abc.partial" / "model.safetensors").write_bytes(b"\1")
+    assert fetch_model_shared(uri, dest) == dest
+    assert (dest / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (dest / DONE_MARKER).read_text() == uri
+    assert sorted(p.name for p in cache.iterdir()) == ["abc", "abc.lock"]
+
+
+def test_shared_a_complete_folder_is_left_as_it_is(tmp_path: Path) -> None:
+    folder = make_model_folder(tmp_path / "m")
+    uri = f"file://{folder}"
+    dest = fetch_model_shared(uri, tmp_path / "cache" / "abc")
+    (dest / "config.json").write_text("kept")
+    assert fetch_model_shared(uri, dest) == dest
+    assert (dest / "config.json").read_text() == "kept"
+
+
+def test_shared_a_failed_fetch_puts_nothing_in_place(tmp_path: Path) -> None:
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "README").write_text("hi")
+    with pytest.raises(FetchError, match=r"no config\.json"):
+        fetch_model_shared(f"file://{folder}", tmp_path / "cache" / "abc")
+    assert not (tmp_path / "cache" / "abc").exists()
