@@ -177,6 +177,9 @@ def decide(
     top = _chosen(votes(targets, signals), current, _cooling(state, signals, now))
     recommended = min(max(top.replicas, floor), policy.max_replicas)
     why = _bounded(top, recommended, floor, policy)
+    if zero and current and idle_s >= policy.idle_before_zero_seconds:
+        # Idle long enough: what is left in the KV cache (or a stale latency) keeps no pod.
+        recommended = 0
     history = (*_kept(state.recommendations, now, policy), (now, recommended))
     state = replace(state, recommendations=history, idle_since=idle_since)
 

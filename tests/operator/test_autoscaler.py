@@ -338,6 +338,19 @@ def test_an_idle_pool_goes_to_zero_after_idle_before_zero_and_wakes_on_router_de
     assert run.times[run.decisions.index(woke)] - 2400 <= TICK
 
 
+def test_an_idle_pool_goes_to_zero_though_its_kv_cache_is_not_empty() -> None:
+    # An idle engine's cache may still hold blocks; after idleBeforeZero that keeps no pod.
+    zero = policy(minReplicas=0, idleBeforeZeroSeconds=60)
+    state = ScalerState()
+    for now in range(0, 70, 5):
+        signals = PoolSignals(ready=1, kv_cache_usage=0.3)
+        decision = decide(zero, TARGETS, signals, state, float(now))
+        state = decision.state
+        if decision.changed:
+            break
+    assert (now, decision.desired) == (60, 0) and "no request for 60 s" in decision.reason
+
+
 def test_a_pool_at_zero_stays_there_without_requests() -> None:
     zero = policy(minReplicas=0)
     decision = decide(zero, TARGETS, PoolSignals(ready=0), ScalerState(), 0.0)
