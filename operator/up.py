@@ -443,6 +443,7 @@ def _start_autoscaler(
             pool.policy.min_replicas,
             pool.policy.max_replicas,
         )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
     scaler = LocalAutoscaler(pools, router_url=f"http://127.0.0.1:{port}")
     threading.Thread(target=scaler.run, args=(stopping,), name="up-autoscaler", daemon=True).start()
 
