@@ -107,6 +107,7 @@ class ScalerState:
     recommendations: tuple[tuple[float, int], ...] = ()
     events: tuple[ScaleEvent, ...] = ()
     idle_since: float | None = None
+    demand: tuple[float, int] | None = None  # (when, requests) at the last decision
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,27 @@ def votes(targets: PoolTargets, signals: PoolSignals) -> list[_Vote]:
     return found
 
 
+def _trend(
+    targets: PoolTargets, signals: PoolSignals, state: ScalerState, now: float
+) -> _Vote | None:
+    """Demand as it will be when a pod asked for now serves, if it keeps rising as since the
+    last decision: a pod takes its start time to help, and a ramp does not wait for it."""
+    if state.demand is None or not signals.ready:
+        return None
+    then, before = state.demand
+    elapsed = now - then
+    rise = signals.demand - before
+    per = targets.requests_per_replica
+    if elapsed <= 0 or rise <= 0:
+        return None
+    start = signals.start_time_s if signals.start_time_s is not None else DEFAULT_START_TIME_S
+    ahead = signals.demand + rise * min(start, elapsed) / elapsed
+    why = (
+        f"{signals.demand} requests, rising {rise} in {elapsed:.0f} s: {ahead:.0f} in {start:.0f} s"
+    )
+    return _proportional(signals.current, ahead / per, f"{why} / {per} per replica")
+
+
 def _proportional(base: int, wanted: float, why: str) -> _Vote:
     """ceil(wanted), or `base` when wanted is within tolerance of it."""
     if base and abs(wanted / base - 1) <= TOLERANCE:
@@ -174,11 +196,20 @@ def decide(
     # Zero is allowed once idle for long enough, and a pool already at zero stays there.
     zero = policy.min_replicas == 0 and (idle_s >= policy.idle_before_zero_seconds or not current)
     floor = policy.min_replicas if zero or policy.min_replicas else 1
-    top = _chosen(votes(targets, signals), current, _cooling(state, signals, now))
+    found = votes(targets, signals)
+    trend = _trend(targets, signals, state, now) if policy.scale_up.predictive else None
+    if trend is not None:
+        found.append(trend)
+    top = _chosen(found, current, _cooling(state, signals, now))
     recommended = min(max(top.replicas, floor), policy.max_replicas)
     why = _bounded(top, recommended, floor, policy)
+    if zero and current and idle_s >= policy.idle_before_zero_seconds:
+        # Idle long enough: what is left in the KV cache (or a stale latency) keeps no pod.
+        recommended = 0
     history = (*_kept(state.recommendations, now, policy), (now, recommended))
-    state = replace(state, recommendations=history, idle_since=idle_since)
+    state = replace(
+        state, recommendations=history, idle_since=idle_since, demand=(now, signals.demand)
+    )
 
     if current < policy.min_replicas or current > policy.max_replicas:
         # Back to the nearest bound at once (the bounds changed, or someone scaled by hand);

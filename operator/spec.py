@@ -368,6 +368,7 @@ class ScaleUpRules(SpecModel):
     pods: int = Field(4, ge=1, le=1000, description="Pods one period may add, or percent.")
     percent: int = Field(100, ge=0, le=1000, description="Percent one period may add, or pods.")
     period_seconds: int = Field(15, ge=1, le=1800)
+    predictive: bool = Field(False, description="Grow ahead of a demand that rises")
 
 
 class ScaleDownRules(SpecModel):

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from tidegate.common.cpus import available_cpus
 from tidegate.common.local_server import LocalServer, free_port, tidegate_command
 from tidegate.engine.config import API_KEY_ENV
+from tidegate.operator.autoscaler import starting_replicas
 from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
@@ -45,7 +46,7 @@ from tidegate.operator.render import (
     RenderOptions,
     render,
 )
-from tidegate.operator.spec import SpecError
+from tidegate.operator.spec import LLMDeploymentSpec, SpecError
 
 logger = logging.getLogger("tidegate.up")
 
@@ -72,6 +73,11 @@ class LocalPod:
     restart_at: float | None = None
     started_at: float = 0.0
     flags: dict[str, Any] = field(default_factory=dict)
+    # Whether the pod should run: the replicas of an autoscaled pool are made for its
+    # maxReplicas, each with its port, and the autoscaler turns them on and off.
+    active: bool = True
+    # Set while a pod turned off drains (SIGTERM, then its in-flight requests finish).
+    draining: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -94,6 +100,26 @@ class LocalPod:
     def exited(self) -> int | None:
         """The exit code once the process has ended, else None."""
         return None if self.server is None else self.server.process.poll()
+
+    @property
+    def idle(self) -> bool:
+        """Turned off, drained and stopped: the pod may be started again."""
+        return not self.active and self.server is None and self.draining is None
+
+    def drain(self, timeout_s: float) -> None:
+        """SIGTERM the pod and let it finish its requests, on a thread of its own."""
+        server = self.server
+        assert server is not None
+
+        def stop() -> None:
+            server.stop(timeout=timeout_s)
+            if self.log is not None:
+                self.log.close()
+                self.log = None
+            self.server, self.draining = None, None
+
+        self.draining = threading.Thread(target=stop, name=f"drain-{self.name}", daemon=True)
+        self.draining.start()
 
 
 # Run before a pod's command, in its process: prctl(PR_SET_PDEATHSIG, SIGTERM), which the
@@ -130,7 +156,19 @@ def plan_pods(
     resource: dict[str, Any], model_dir: Path, port: int, workdir: Path
 ) -> list[LocalPod]:
     """The local processes of one LLMDeployment, in start order; the public one on `port`."""
+    return plan(resource, model_dir, port, workdir)[0]
+
+
+def plan(
+    resource: dict[str, Any], model_dir: Path, port: int, workdir: Path
+) -> tuple[list[LocalPod], LLMDeploymentSpec]:
+    """plan_pods(), and the spec they were rendered from.
+
+    An autoscaled pool gets a pod for each of its maxReplicas, those beyond the replicas it
+    starts with turned off: the router knows them all, the autoscaler turns them on.
+    """
     rendered = render(resource, RenderOptions())
+    policies = rendered.spec.autoscaling.policies() if rendered.spec.autoscaling else {}
     config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
     config_dir = workdir / "config"
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -147,14 +185,20 @@ def plan_pods(
     for deployment in deployments:
         role = deployment["metadata"]["labels"][COMPONENT_LABEL]
         container = deployment["spec"]["template"]["spec"]["containers"][0]
-        for index in range(deployment["spec"]["replicas"]):
+        if role in policies:
+            pool = rendered.spec.topology.roles()[role]
+            count = policies[role].max_replicas
+            start = starting_replicas(policies[role], pool.replicas)
+        else:
+            count = start = deployment["spec"]["replicas"]
+        for index in range(count):
             args = [a.replace(CONFIG_DIR, str(config_dir)) for a in container["args"]]
             name = f"{deployment['metadata']['name']}-{index}"
-            pods.append(
-                LocalPod(role, name, [*tidegate_command(), *args], 0, workdir / f"{name}.log")
-            )
-    _assign_ports_and_flags(pods, model_dir, port, rendered)
-    return pods
+            command = [*tidegate_command(), *args]
+            pod = LocalPod(role, name, command, 0, workdir / f"{name}.log", active=index < start)
+            pods.append(pod)
+    _assign_ports_and_flags(pods, model_dir, port, rendered, autoscaled=set(policies))
+    return pods, rendered.spec
 
 
 def _local_cache(rendered: Rendered, workdir: Path) -> Path:
@@ -194,10 +238,13 @@ def _local_secrets(
 
 
 def _assign_ports_and_flags(
-    pods: list[LocalPod], model_dir: Path, port: int, rendered: Rendered
+    pods: list[LocalPod], model_dir: Path, port: int, rendered: Rendered, autoscaled: set[str]
 ) -> None:
     engines = [p for p in pods if p.role != "router"]
-    public = [p for p in pods if p.role == "router"] or (engines if len(engines) == 1 else [])
+    # A lone engine serves on the public port, unless autoscaled: at zero, or while a
+    # replica starts, the router in front holds the requests.
+    alone = len(engines) == 1 and not autoscaled
+    public = [p for p in pods if p.role == "router"] or (engines if alone else [])
     for pod in pods:
         pod.port = port if pod in public else free_port()
         pod.command += ["--host", "127.0.0.1", "--port", str(pod.port)]
@@ -212,14 +259,22 @@ def _assign_ports_and_flags(
         pod.flags = {name: choice.value for name, choice in tuning.choices().items()}
     for pod in pods:
         if pod.role == "router":
-            for role in ("prefill", "decode"):
-                pod.command += [f"--{role}", *(p.url for p in engines if p.role == role)]
+            # A unified pool's router balances it as the decode side.
+            for role, behind in (("prefill", {"prefill"}), ("decode", {"decode", "unified"})):
+                urls = [p.url for p in engines if p.role in behind]
+                if urls:
+                    pod.command += [f"--{role}", *urls]
     if not public:
         # Several unified replicas: a router in front balances whole requests over them.
         command = [*tidegate_command(), "router", "--host", "127.0.0.1", "--port", str(port)]
         command += ["--decode", *(p.url for p in engines)]
         log = engines[0].log_path.with_name("balancer.log")
         pods.append(LocalPod("router", "balancer", command, port, log))
+    if autoscaled:
+        # The router's health checks find a started or drained replica within a second.
+        for pod in pods:
+            if pod.role == "router":
+                pod.command += ["--health-interval", "1"]
 
 
 @functools.cache
@@ -273,9 +328,12 @@ def warn_about_machine(pods: list[LocalPod]) -> list[str]:
 class Supervisor:
     """Starts the pods in order, restarts those that exit, stops them all on request."""
 
-    def __init__(self, pods: list[LocalPod], startup_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, pods: list[LocalPod], startup_timeout_s: float = 300.0, drain_timeout_s: float = 60.0
+    ) -> None:
         self.pods = pods
         self.startup_timeout_s = startup_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self.error: str | None = None
@@ -300,9 +358,12 @@ class Supervisor:
     def start(self) -> None:
         """Start every pod and wait until each is ready (engines before the router).
 
-        A pod that exits or does not become ready sets `error`.
+        A pod that exits or does not become ready sets `error`. Pods turned off (the
+        replicas an autoscaled pool does not start with) are left for watch() to start.
         """
         for pod in self.pods:
+            if not pod.active:
+                continue
             with self._launching:
                 if self.stopping.is_set():
                     return
@@ -315,10 +376,14 @@ class Supervisor:
                 return
 
     def watch(self, poll_s: float = 0.2) -> None:
-        """Until stopped: restart exited pods with a doubling backoff, as the kubelet does."""
+        """Until stopped: restart exited pods with a doubling backoff, as the kubelet does;
+        start the pods the autoscaler turned on, drain those it turned off."""
         while not self.stopping.wait(poll_s):
             now = time.monotonic()
             for pod in self.pods:
+                if not pod.active or pod.server is None:
+                    self._follow_autoscaler(pod)
+                    continue
                 code = pod.exited()
                 if code is None:
                     if now - pod.started_at > STABLE_S:
@@ -328,6 +393,19 @@ class Supervisor:
                     if self.stopping.is_set():
                         return
                     self._restart_after_backoff(pod, code, now)
+
+    def _follow_autoscaler(self, pod: LocalPod) -> None:
+        """Start a pod turned on (not before the last run has drained); drain one turned off."""
+        with self._launching:
+            if self.stopping.is_set():
+                return
+            if pod.active and pod.server is None and pod.draining is None:
+                pod.start()
+                pod.backoff_s = BACKOFF_S
+                logger.info("%s started (pid %s)", pod.name, pod.pid)
+            elif not pod.active and pod.server is not None and pod.draining is None:
+                logger.info("%s draining (pid %s)", pod.name, pod.pid)
+                pod.drain(self.drain_timeout_s)
 
     def _restart_after_backoff(self, pod: LocalPod, code: int, now: float) -> None:
         """At its exit, say so and when it restarts; once the backoff has passed, restart."""
@@ -351,11 +429,35 @@ class Supervisor:
         with self._launching:
             self.stopping.set()
         for pod in reversed(self.pods):
+            if pod.draining is not None:
+                pod.draining.join()
             if pod.server is not None:
                 pod.server.stop(timeout=30.0)
             if pod.log is not None:
                 pod.log.close()
         self._stopped.set()
+
+
+def _start_autoscaler(
+    spec: LLMDeploymentSpec, pods: list[LocalPod], port: int, stopping: threading.Event
+) -> None:
+    """The autoscaler of the spec's autoscaled pools, on a thread, until `stopping`."""
+    from tidegate.operator.up_scaler import LocalAutoscaler, autoscaled_pools
+
+    pools = autoscaled_pools(spec, pods)
+    if not pools:
+        return
+    for pool in pools:
+        logger.info(
+            "autoscaler: %s runs %d of %d-%d replicas",
+            pool.role,
+            len(pool.active),
+            pool.policy.min_replicas,
+            pool.policy.max_replicas,
+        )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
+    scaler = LocalAutoscaler(pools, router_url=f"http://127.0.0.1:{port}")
+    threading.Thread(target=scaler.run, args=(stopping,), name="up-autoscaler", daemon=True).start()
 
 
 def table(pods: list[LocalPod]) -> Iterator[str]:
@@ -375,7 +477,7 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
         resource = resources[0]
         model = resolve_model_dir(resource, model_dir)
         workdir = Path(tempfile.mkdtemp(prefix="tidegate-up-"))
-        pods = plan_pods(resource, model, port, workdir)
+        pods, spec = plan(resource, model, port, workdir)
     except (SpecError, UpError) as error:
         print(f"tidegate up: {error}", flush=True)
         return 1
@@ -397,6 +499,7 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
             return 1
         print("\n".join(table(pods)), flush=True)
         print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
+        _start_autoscaler(spec, pods, port, supervisor.stopping)
         while not supervisor.stopping.wait(1.0):
             pass
         return 0

@@ -338,6 +338,37 @@ def test_an_idle_pool_goes_to_zero_after_idle_before_zero_and_wakes_on_router_de
     assert run.times[run.decisions.index(woke)] - 2400 <= TICK
 
 
+def test_predictive_growth_meets_a_ramp_sooner_and_stays_off_by_default() -> None:
+    # A steep ramp: 1 to 12 req/s in 2 minutes. Growing ahead of the rise reaches the
+    # replicas of the ramp's upper part sooner than growing on demand as it is (at the top,
+    # the latency votes of both catch up).
+    def steep(t: float) -> float:
+        return 1.0 + 11.0 * min(max(t - 300, 0.0), 120.0) / 120.0
+
+    plain = simulate(steep, 1200)
+    ahead = simulate(steep, 1200, the_policy=policy(scaleUp={"predictive": True}))
+    upper = needed(8.0)
+    assert ahead.reaction_s(300, upper) < plain.reaction_s(300, upper) < math.inf
+    reasons = [d.reason for d in ahead.events if d.desired > d.current]
+    assert any("rising" in reason for reason in reasons), reasons
+    assert not any("rising" in d.reason for d in plain.decisions)
+    # And never above maxReplicas or below minReplicas, ahead or not.
+    assert all(1 <= d.desired <= 20 for d in ahead.decisions)
+
+
+def test_an_idle_pool_goes_to_zero_though_its_kv_cache_is_not_empty() -> None:
+    # An idle engine's cache may still hold blocks; after idleBeforeZero that keeps no pod.
+    zero = policy(minReplicas=0, idleBeforeZeroSeconds=60)
+    state = ScalerState()
+    for now in range(0, 70, 5):
+        signals = PoolSignals(ready=1, kv_cache_usage=0.3)
+        decision = decide(zero, TARGETS, signals, state, float(now))
+        state = decision.state
+        if decision.changed:
+            break
+    assert (now, decision.desired) == (60, 0) and "no request for 60 s" in decision.reason
+
+
 def test_a_pool_at_zero_stays_there_without_requests() -> None:
     zero = policy(minReplicas=0)
     decision = decide(zero, TARGETS, PoolSignals(ready=0), ScalerState(), 0.0)
