@@ -33,9 +33,6 @@ from tidegate.operator.spec import (
     ScaleUpRules,
 )
 
-# The router's name for the pool a request waits for: in front of a unified pool the router
-# balances whole requests, and it calls that pool its decode pool.
-ROUTER_POOL = {"unified": "decode", "prefill": "prefill", "decode": "decode"}
 # How often KEDA asks Prometheus: the HPA controller's own sync period, so a pool at zero
 # wakes within it.
 KEDA_POLLING_INTERVAL_S = 15
@@ -154,7 +151,7 @@ class _Pool:
         waiting = f"(sum({self.series('num_requests_waiting')}) or vector(0))"
         demand = f"{running} + {waiting}"
         if self.router:
-            held = self.series("router_pending_requests", "router", pool=ROUTER_POOL[self.role])
+            held = self.series("router_pending_requests", "router", pool=self.role)
             demand += f" + (sum({held}) or vector(0))"
         # Pods whose engines report, as `decide` counts ready replicas.
         pods = f"count(count by (pod) ({self.series('num_requests_waiting')}))"

@@ -145,7 +145,7 @@ def test_keda_pool_that_may_reach_zero_idles_and_wakes_on_demand_alone() -> None
     # Requests the router holds for the pool count as demand: they wake it from zero.
     held = (
         'tidegate:router_pending_requests{namespace="ml",llmdeployment="llm",role="router",'
-        'pool="decode"}'
+        'pool="unified"}'
     )
     assert held in found["requests"]["metadata"]["query"]
     assert "activationThreshold" not in found["requests"]["metadata"]
