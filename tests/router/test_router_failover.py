@@ -48,7 +48,9 @@ def test_a_dead_prefill_instance_is_skipped_and_then_avoided(backend, router):
 
 def test_no_prefill_instance_left_is_a_quick_503_with_retry_after(backend, router):
     p0, p1, decode = backend("prefill"), backend("prefill"), backend("decode")
-    proxy = router([p0.url, p1.url], [decode.url], health_interval=60)
+    # Without holding: a pool with no healthy instance left is refused at once (held: see
+    # test_router_pending.py).
+    proxy = router([p0.url, p1.url], [decode.url], health_interval=60, max_pending=0)
     p0.kill()
     p1.kill()
     for _ in range(2):  # the first finds them dead, the second knows
@@ -76,7 +78,7 @@ def test_a_decode_instance_answering_5xx_is_left_for_another(backend, router):
 
 def test_health_follows_backends_that_die_and_come_back(backend, router):
     prefill, decode = backend("prefill"), backend("decode")
-    client = router([prefill.url], [decode.url], health_interval=0.05).client
+    client = router([prefill.url], [decode.url], health_interval=0.05, max_pending=0).client
     assert client.get("/health").status_code == 200
     decode.kill()
     wait_until(lambda: client.get("/health").status_code == 503, what="health 503")
