@@ -52,6 +52,16 @@ def test_uvicorn_still_has_the_method_stoppable_server_overrides() -> None:
     assert list(inspect.signature(server.handle_exit).parameters) == ["sig", "frame"]
 
 
+def test_uvicorn_still_has_the_methods_the_drain_extends() -> None:
+    # StoppableServer's drain hooks uvicorn's handle_exit (the signal handler) and on_tick
+    # (its main loop's check, which decides when serve() stops listening).
+    for name, parameters in (("handle_exit", ["sig", "frame"]), ("on_tick", ["counter"])):
+        assert name in vars(uvicorn.Server), name
+        signature = inspect.signature(getattr(uvicorn.Server, name))
+        assert list(signature.parameters)[1:] == parameters, name
+    assert inspect.iscoroutinefunction(uvicorn.Server.on_tick)
+
+
 def wait_until_serving(port: int, process: subprocess.Popen, deadline_s: float = 30.0) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
