@@ -16,6 +16,9 @@ from types import FrameType
 import uvicorn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# On a draining server's 503s: the request was refused before anything ran, so a router may
+# hold it for another instance (engine/router/pending.py) rather than fail it.
+DRAINING_HEADER = "x-tidegate-draining"
 
 logger = logging.getLogger("tidegate.serve")
 

@@ -10,7 +10,9 @@ requests are held at a time, each for at most `timeout_s`; beyond either the cli
 `InstancePool.pending`, the number held right now, is the demand an autoscaler reads from
 `tidegate:router_pending_requests{pool}` to scale a pool up from zero (router/metrics.py).
 A request the router already sent to an instance that then failed is not held: it gets its
-503 at once, as before, so that a fault is not hidden behind a wait.
+503 at once, as before, so that a fault is not hidden behind a wait. The exception is a 503
+from a draining engine (DRAINING_HEADER, engine/http_server.py), which ran nothing of the
+request: when it was the last healthy instance, the request waits for its replacement.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import httpx
 from starlette.responses import Response
 
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.http_server import DRAINING_HEADER
 from tidegate.engine.router import errors
 from tidegate.engine.router.instances import Instance, InstancePool
 from tidegate.engine.router.metrics import RouterMetrics
@@ -178,6 +179,11 @@ class Proxy:
                 await response.aclose()
                 instance.in_flight -= 1
                 pool.mark_down(instance, f"{method} {path} answered {response.status_code}")
+                if DRAINING_HEADER in response.headers and not pool.healthy():
+                    # It was told to stop (a scale-down, say) and ran nothing of this request:
+                    # wait for the instance that replaces it, as for a pool at zero.
+                    await self.holding.until_ready(pool, deadline)
+                    tried.clear()
                 continue
             if not stream:
                 instance.in_flight -= 1

@@ -14,6 +14,7 @@ import pytest
 from tests.e2e.client import HEADERS, metric, open_stream, wait_for
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
+from tidegate.engine.http_server import DRAINING_HEADER
 from tidegate.engine.worker.fault_injection import FAULT_SIGNAL_ENV
 
 # Worker processes even at one rank: the tests that kill a worker process run this path.
@@ -278,6 +279,7 @@ def test_on_sigterm_health_is_503_at_once_new_requests_refused_and_a_stream_fini
         error = response.json()["error"]
         assert error["type"] == "server_error" and error["param"] is None
         assert "shutting down" in error["message"]
+    assert DRAINING_HEADER in refused.headers  # nothing ran: a router may hold it elsewhere
     assert metrics.status_code == 200  # scrapers still read the last requests
     # The stream in flight finished in full (all 40 tokens, then [DONE]), then the server
     # exited cleanly.

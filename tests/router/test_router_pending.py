@@ -123,3 +123,21 @@ def test_max_pending_0_refuses_at_once_as_before(backend, router):
     assert_refused(proxy.client.post("/v1/completions", json=BODY), "no healthy decode instance")
     assert time.monotonic() - started < 3.0
     assert proxy.client.get("/health").status_code == 503
+
+
+def test_a_request_refused_by_the_last_draining_instance_waits_for_its_replacement(backend, router):
+    # A scale-down or a restart: the router has not yet seen the old instance go.
+    old, new = backend("decode"), backend("decode", healthy=False)
+    proxy = router([], [old.url, new.url], health_interval=SLOW_CHECKS_S)
+    old.engine.draining = True
+
+    async def scenario() -> httpx.Response:
+        waiting = asyncio.ensure_future(post(proxy, BODY))
+        await asyncio.to_thread(held, proxy, "unified", 1)
+        assert len(old.engine.received) == 1  # refused there, before anything ran
+        new.engine.healthy = True
+        return await waiting
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 200 and response.json()["engine"] == new.engine.name
+    assert pending(proxy, "unified") == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidegate.engine.entrypoints.openai.errors import OpenAIError, error_response
-from tidegate.engine.http_server import Drain
+from tidegate.engine.http_server import DRAINING_HEADER, Drain
 
 # Still answered while draining: scrapers read the last requests' metrics.
 DRAIN_OPEN_PATHS = ("/metrics", "/version")
@@ -24,7 +24,7 @@ def shutting_down() -> OpenAIError:
         "this server is shutting down: it finishes the requests it has and takes no new ones; "
         "send the request to another instance",
         type="server_error",
-        headers={"Retry-After": "1"},
+        headers={"Retry-After": "1", DRAINING_HEADER: "1"},
     )
 
 
