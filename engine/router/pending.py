@@ -34,7 +34,7 @@ class Holding:
         self.max_pending = max_pending
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
-        # Called when a request starts waiting: the health monitor checks at once.
+        # Called when a pool's first request starts waiting: the health monitor checks at once.
         self.on_hold: Callable[[], None] = lambda: None
 
     def deadline(self) -> float:
@@ -54,7 +54,8 @@ class Holding:
         if pool.pending >= self.max_pending:
             raise errors.queue_full(pool, self.max_pending, self.retry_after_s)
         pool.pending += 1
-        self.on_hold()
+        if pool.pending == 1:  # the first: later ones ride the rounds it started
+            self.on_hold()
         try:
             async with asyncio.timeout_at(deadline):
                 await pool.ready.wait()
