@@ -299,3 +299,16 @@ class RouterArgs(TenancyArgs):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests before exiting."
     )
+    max_pending: int = Field(
+        256,
+        ge=0,
+        description="Requests held per pool while it has no healthy instance (scaled to zero, "
+        "or all restarting) until one is ready; more get a 503 with Retry-After. 0: none is "
+        "held, every such request gets the 503 at once.",
+    )
+    pending_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds a held request waits for an instance of its pool (longer than a "
+        "cold start) before a 503 with Retry-After.",
+    )

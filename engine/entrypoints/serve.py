@@ -16,7 +16,7 @@ import uvicorn
 
 from tidegate.engine.async_llm import AsyncLLM
 from tidegate.engine.config import EngineArgs, ServerArgs
-from tidegate.engine.http_server import STOP_SIGNALS, StoppableServer
+from tidegate.engine.http_server import STOP_SIGNALS, Drain, StoppableServer
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.process import LOG_FORMAT, name_process
 
@@ -78,6 +78,9 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
     from tidegate.engine.entrypoints.openai.api_server import build_app
 
+    # SIGTERM: /health turns 503 at once and new requests are refused while those in flight
+    # finish, up to --shutdown-timeout (engine/http_server.py).
+    drain = Drain(server_args.shutdown_timeout)
     app = build_app(
         engine,
         served_model_names=names,
@@ -85,6 +88,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         api_key=api_key,
         metrics=metrics,
         cache_salt_header=server_args.cache_salt_header,
+        drain=drain,
     )
     config = uvicorn.Config(
         app,
@@ -95,7 +99,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         lifespan="off",
         access_log=False,
     )
-    server = StoppableServer(config)
+    server = StoppableServer(config, drain)
     exit_code = 0
 
     def on_dead(reason: str) -> None:

@@ -58,6 +58,7 @@ def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
             monitor = HealthMonitor(
                 proxy.pools, seeds, client, args.health_interval, args.connect_timeout
             )
+            proxy.holding.on_hold = monitor.wake
             # One round before serving, so that /health and the first requests are right.
             await monitor.run_round()
             app.state.proxy = proxy
@@ -112,14 +113,16 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    # Ready while every pool can take a request: a pool at zero replicas holds it until an
+    # instance is ready, so the router stays in its Service (else none could reach the queue).
     proxy: Proxy = request.app.state.proxy
-    for role, pool in proxy.pools.items():
-        if role == "prefill" and not proxy.disaggregated:
-            continue
-        if not pool.healthy():
+    held = proxy.held_pools()
+    for pool in held.values():
+        if not proxy.holding.accepts(pool):
             return error_response(errors.no_instance(pool, proxy.retry_after_s))
     counts = {role: len(pool.healthy()) for role, pool in proxy.pools.items()}
-    return JSONResponse({"status": "ok", "healthy": counts})
+    pending = {name: pool.pending for name, pool in held.items()}
+    return JSONResponse({"status": "ok", "healthy": counts, "pending": pending})
 
 
 async def _live(request: Request) -> Response:

@@ -24,6 +24,28 @@ def no_instance(pool: InstancePool, retry_after_s: float) -> OpenAIError:
     )
 
 
+def queue_full(pool: InstancePool, max_pending: int, retry_after_s: float) -> OpenAIError:
+    """503: no instance of a role is healthy and its queue of held requests is full."""
+    return OpenAIError(
+        503,
+        f"no healthy {pool.role} instance, and {max_pending} requests already wait for one "
+        f"(--max-pending {max_pending}); retry after {retry_after(retry_after_s)} s",
+        type="server_error",
+        headers={"Retry-After": retry_after(retry_after_s)},
+    )
+
+
+def pending_timeout(pool: InstancePool, timeout_s: float, retry_after_s: float) -> OpenAIError:
+    """503: a held request waited its --pending-timeout and no instance of its role came."""
+    return OpenAIError(
+        503,
+        f"no {pool.role} instance became healthy within {timeout_s:g} s (--pending-timeout); "
+        f"retry after {retry_after(retry_after_s)} s",
+        type="server_error",
+        headers={"Retry-After": retry_after(retry_after_s)},
+    )
+
+
 def gateway_timeout(role: str, url: str, timeout_s: float) -> OpenAIError:
     """504: an instance accepted the request but did not answer in time."""
     return OpenAIError(

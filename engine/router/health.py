@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -15,6 +16,10 @@ logger = logging.getLogger("tidegate.router")
 
 # Engine gauges whose sum is the work an instance has queued (every series: one per core).
 LOAD_METRICS = ("tidegate:num_requests_running", "tidegate:num_requests_waiting")
+# While requests are held for a pool with no healthy instance, rounds come this often (or
+# more often, with a shorter --health-interval): a held request is routed within this
+# much of its instance turning ready.
+HOLDING_INTERVAL_S = 0.25
 
 
 def reported_load(exposition: str) -> float:
@@ -31,7 +36,11 @@ def reported_load(exposition: str) -> float:
 
 
 class HealthMonitor:
-    """Every `interval` seconds: discovery, then GET /health (and /metrics) on each instance."""
+    """Every `interval` seconds: discovery, then GET /health (and /metrics) on each instance.
+
+    While any request is held (router/pending.py), rounds come every HOLDING_INTERVAL_S, and
+    `wake` starts one at once.
+    """
 
     def __init__(
         self,
@@ -50,6 +59,11 @@ class HealthMonitor:
         read_s = max(connect_timeout, min(interval, 10.0))
         self.timeout = httpx.Timeout(read_s, connect=connect_timeout)
         self._expanded: dict[str, dict[str, list[str]]] = {role: {} for role in pools}
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """Start the next round now (a request has started waiting for an instance)."""
+        self._woken.set()
 
     async def run_round(self) -> None:
         """One round: update every pool's membership, then check all instances at once."""
@@ -62,7 +76,11 @@ class HealthMonitor:
     async def run(self) -> None:
         """Check forever, one round every `interval` seconds (until cancelled)."""
         while True:
-            await asyncio.sleep(self.interval)
+            holding = any(pool.pending for pool in self.pools.values())
+            interval = min(self.interval, HOLDING_INTERVAL_S) if holding else self.interval
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), interval)
+            self._woken.clear()
             try:
                 await self.run_round()
             except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class InstancePool:
         self.role = role
         self.selector = selector or Selector()
         self._instances: dict[str, Instance] = {}
+        # Set while an instance is healthy: held requests wait on it (router/pending.py).
+        self.ready = asyncio.Event()
+        # Requests held right now because no instance was healthy when they came.
+        self.pending = 0
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(list(self._instances.values()))
@@ -62,6 +67,7 @@ class InstancePool:
                 # Unhealthy until its first check passes: a pod that is still loading its
                 # weights must not receive requests.
                 self._instances[url] = Instance(self.role, url)
+        self._update_ready()
 
     def healthy(self) -> list[Instance]:
         """The instances that passed their last check and have not failed since."""
@@ -79,6 +85,7 @@ class InstancePool:
             logger.info("%s instance %s is healthy", self.role, instance.url)
         instance.healthy = True
         instance.last_error = None
+        self._update_ready()
 
     def mark_down(self, instance: Instance, reason: str) -> None:
         """Take an instance out of rotation until a health check passes again."""
@@ -86,3 +93,10 @@ class InstancePool:
             logger.warning("%s instance %s is down: %s", self.role, instance.url, reason)
         instance.healthy = False
         instance.last_error = reason
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        if self.healthy():
+            self.ready.set()  # wakes every held request at once
+        else:
+            self.ready.clear()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,9 +23,22 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class RouterMetrics:
-    """Requests per leg and status, leg latency, prefill skips, and each backend's state."""
+    """Requests per leg and status, leg latency, prefill skips, each backend's state, and
+    the requests held per pool.
 
-    def __init__(self, pools: Sequence[InstancePool]) -> None:
+    `tidegate:router_pending_requests{pool}` is a gauge: the client requests this router
+    holds right now because the pool had no healthy instance when they came
+    (router/pending.py). They are not yet on any instance, so no engine metric counts them;
+    across router replicas the demand is the sum. `pool` is the deployment's pool name:
+    `prefill` and `decode` in P/D mode, `unified` in balancer mode (no --prefill). A value
+    above 0 for a pool at zero replicas means scale it up; held requests leave the gauge
+    when an instance turns healthy, when they time out or overflow (503), or when their
+    client disconnects.
+    """
+
+    def __init__(
+        self, pools: Sequence[InstancePool], held: Mapping[str, InstancePool] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             PREFIX + "requests",
@@ -46,7 +59,7 @@ class RouterMetrics:
             "Requests sent straight to a decode instance (n > 1 or a batch of prompts).",
             registry=self.registry,
         )
-        self.registry.register(_BackendCollector(pools))
+        self.registry.register(_BackendCollector(pools, held or {}))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -56,8 +69,9 @@ class RouterMetrics:
 class _BackendCollector(Collector):
     """Reads the pools at scrape time, so that instances dropped by discovery disappear."""
 
-    def __init__(self, pools: Sequence[InstancePool]) -> None:
+    def __init__(self, pools: Sequence[InstancePool], held: Mapping[str, InstancePool]) -> None:
         self._pools = pools
+        self._held = held
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         up = GaugeMetricFamily(
@@ -74,5 +88,14 @@ class _BackendCollector(Collector):
             for instance in pool:
                 up.add_metric((pool.role, instance.url), 1.0 if instance.healthy else 0.0)
                 in_flight.add_metric((pool.role, instance.url), instance.in_flight)
+        pending = GaugeMetricFamily(
+            PREFIX + "pending_requests",
+            "Requests held because the pool had no healthy instance when they came (its "
+            "demand while at zero replicas).",
+            labels=("pool",),
+        )
+        for name, pool in self._held.items():
+            pending.add_metric((name,), pool.pending)
         yield up
         yield in_flight
+        yield pending

@@ -12,9 +12,11 @@ import httpx
 from starlette.responses import Response
 
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.http_server import DRAINING_HEADER
 from tidegate.engine.router import errors
 from tidegate.engine.router.instances import Instance, InstancePool
 from tidegate.engine.router.metrics import RouterMetrics
+from tidegate.engine.router.pending import Holding
 from tidegate.engine.router.relay import Outcome, RelayResponse, relayed_headers
 from tidegate.engine.router.rewrite import (
     client_body,
@@ -34,29 +36,44 @@ class Proxy:
         self.pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
         # Without prefill instances the router balances whole requests over the decode pool.
         self.disaggregated = bool(args.prefill)
-        self.metrics = RouterMetrics(list(self.pools.values()))
         self.client = client
         self.retry_after_s = args.health_interval
+        self.holding = Holding(args.max_pending, args.pending_timeout, self.retry_after_s)
+        self.metrics = RouterMetrics(list(self.pools.values()), self.held_pools())
         self.prefill_timeout = httpx.Timeout(args.prefill_timeout, connect=args.connect_timeout)
         # No read timeout on the decode leg: a generation may take as long as it takes.
         self.decode_timeout = httpx.Timeout(None, connect=args.connect_timeout)
         self.models_timeout = httpx.Timeout(30.0, connect=args.connect_timeout)
+
+    def held_pools(self) -> dict[str, InstancePool]:
+        """The pools requests wait for, by the deployment's pool name (balancer: "unified")."""
+        if self.disaggregated:
+            return {"prefill": self.pools["prefill"], "decode": self.pools["decode"]}
+        return {"unified": self.pools["decode"]}
 
     async def completion(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> Response:
         """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
         key = affinity_key(body) or headers["x-request-id"]
+        deadline = self.holding.deadline()
         if not self.disaggregated or not needs_prefill(path, body):
             if self.disaggregated:
                 self.metrics.prefill_skipped.inc()
-            return await self._decode(path, client_body(body), headers, key)
-        if not self.pools["decode"].healthy():
-            # Fail before the prefill leg: its KV blocks would wait for a decode that never comes.
-            raise errors.no_instance(self.pools["decode"], self.retry_after_s)
+            return await self._decode(path, client_body(body), headers, key, deadline)
+        # A decode instance first: the prefill's KV blocks would wait for a decode that never
+        # comes (they expire). No healthy one: wait for one, or fail before the prefill leg.
+        await self.holding.until_ready(self.pools["decode"], deadline)
         started = time.monotonic()
         instance, response = await self._send(
-            "prefill", "POST", path, prefill_body(path, body), headers, key, self.prefill_timeout
+            "prefill",
+            "POST",
+            path,
+            prefill_body(path, body),
+            headers,
+            key,
+            self.prefill_timeout,
+            deadline,
         )
         self.metrics.latency.labels("prefill").observe(time.monotonic() - started)
         if response.status_code >= 300:
@@ -71,22 +88,35 @@ class Proxy:
             ) from None
         if params is None:
             logger.warning("prefill instance %s returned no kv_transfer_params", instance.url)
-        return await self._decode(path, decode_body(body, params), headers, key)
+        return await self._decode(path, decode_body(body, params), headers, key, deadline)
 
     async def models(self, headers: Mapping[str, str]) -> Response:
         """GET /v1/models from a decode instance: the names clients may use."""
         key = headers["x-request-id"]
         _, response = await self._send(
-            "decode", "GET", "/v1/models", None, headers, key, self.models_timeout, leg="models"
+            "decode",
+            "GET",
+            "/v1/models",
+            None,
+            headers,
+            key,
+            self.models_timeout,
+            self.holding.deadline(),
+            leg="models",
         )
         return _copy(response)
 
     async def _decode(
-        self, path: str, body: dict[str, Any], headers: Mapping[str, str], key: str
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        key: str,
+        deadline: float,
     ) -> Response:
         started = time.monotonic()
         instance, response = await self._send(
-            "decode", "POST", path, body, headers, key, self.decode_timeout, stream=True
+            "decode", "POST", path, body, headers, key, self.decode_timeout, deadline, stream=True
         )
         pool = self.pools["decode"]
 
@@ -107,17 +137,20 @@ class Proxy:
         headers: Mapping[str, str],
         key: str,
         timeout: httpx.Timeout,
+        deadline: float,
         stream: bool = False,
         leg: str | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """The first response below 500 from a healthy instance, trying each at most once.
 
-        A streamed response keeps its instance's in-flight count until the caller releases
-        it; otherwise the count is released here.
+        With no healthy instance in the pool when the leg starts, the leg waits for one until
+        `deadline` (router/pending.py). A streamed response keeps its instance's in-flight
+        count until the caller releases it; otherwise the count is released here.
         """
         pool: InstancePool = self.pools[role]
         leg = leg or role
         content = None if body is None else json.dumps(body).encode()
+        await self.holding.until_ready(pool, deadline)
         tried: set[str] = set()
         while (instance := pool.pick(key, exclude=tried)) is not None:
             tried.add(instance.url)
@@ -146,6 +179,11 @@ class Proxy:
                 await response.aclose()
                 instance.in_flight -= 1
                 pool.mark_down(instance, f"{method} {path} answered {response.status_code}")
+                if DRAINING_HEADER in response.headers and not pool.healthy():
+                    # It was told to stop (a scale-down, say) and ran nothing of this request:
+                    # wait for the instance that replaces it, as for a pool at zero.
+                    await self.holding.until_ready(pool, deadline)
+                    tried.clear()
                 continue
             if not stream:
                 instance.in_flight -= 1

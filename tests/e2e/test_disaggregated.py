@@ -2,7 +2,7 @@
 
 Greedy output through the router equals a unified server's; whatever clients or processes
 do, both sides' KV pools end up entirely free; a dead prefill instance is skipped, and with
-none left the router answers 503 at once.
+none left a router that holds no requests (--max-pending 0) answers 503 at once.
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ def consumer(model_dir: Path, logs: Path, *flags: str) -> ServerProcess:
     return ServerProcess(model_dir, logs, *ENGINE_FLAGS, *KV_FLAGS, "--kv-role", "consumer", *flags)
 
 
-def router(prefill: list[ServerProcess], decode: list[ServerProcess], logs: Path) -> LocalServer:
+def router(
+    prefill: list[ServerProcess], decode: list[ServerProcess], logs: Path, *flags: str
+) -> LocalServer:
     return LocalServer.tidegate_router(
         [p.base_url for p in prefill],
         [d.base_url for d in decode],
         "--health-interval",
         "0.5",
+        *flags,
         log=logs / "router.log",
     )
 
@@ -209,7 +212,8 @@ def test_a_dead_prefill_instance_is_skipped_and_none_left_is_a_quick_503(
     servers: list[LocalServer] = [first, second, cons]
     try:
         start_all(*servers)
-        proxy = router([first, second], [cons], tmp_path)
+        # Not held for a pool at zero (tests/router/test_router_pending.py): refused at once.
+        proxy = router([first, second], [cons], tmp_path, "--max-pending", "0")
         servers.append(proxy)
         proxy.wait_healthy(30.0)
         prompts = [token_prompt(20 + i) for i in range(6)]

@@ -14,6 +14,7 @@ import pytest
 from tests.e2e.client import HEADERS, metric, open_stream, wait_for
 from tests.e2e.conftest import API_KEY, SERVED_NAME
 from tests.e2e.server import ServerProcess
+from tidegate.engine.http_server import DRAINING_HEADER
 from tidegate.engine.worker.fault_injection import FAULT_SIGNAL_ENV
 
 # Worker processes even at one rank: the tests that kill a worker process run this path.
@@ -236,6 +237,54 @@ def test_full_queue_answers_429_then_sigterm_drains_and_exits_zero(tiny_llama_di
     assert server.wait_exit(timeout=30) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.base_url}/health", timeout=2)
+    server.stop()
+
+
+def test_on_sigterm_health_is_503_at_once_new_requests_refused_and_a_stream_finishes(
+    tiny_llama_dir, tmp_path
+):
+    server = start_server(tiny_llama_dir, tmp_path)
+    core = server.children()["tidegate::engine_core_0"]
+
+    async def run() -> tuple[list[httpx.Response], list[dict], bool]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            stream = await open_stream(client, max_tokens=40)
+            first = await stream.next_event()
+            # The engine core stops stepping, so the stream is surely still in flight while
+            # the drain is looked at, however fast the machine.
+            core.send_signal(signal.SIGSTOP)
+            try:
+                server.process.send_signal(signal.SIGTERM)
+                # No wait: /health is 503 from the signal on (routers and probes turn away).
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: httpx.get(f"{server.base_url}/health").status_code == 503,
+                    2,
+                    "/health to turn 503",
+                )
+                body = {"model": SERVED_NAME, "prompt": "x", "max_tokens": 5}
+                answers = [
+                    await client.get("/health"),
+                    await client.post("/v1/completions", json=body, headers=HEADERS),
+                    await client.get("/metrics"),
+                ]
+            finally:
+                core.send_signal(signal.SIGCONT)
+            return answers, [first, *await stream.rest()], stream.done
+
+    (health, refused, metrics), events, done = asyncio.run(run())
+    for response in (health, refused):
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and error["param"] is None
+        assert "shutting down" in error["message"]
+    assert DRAINING_HEADER in refused.headers  # nothing ran: a router may hold it elsewhere
+    assert metrics.status_code == 200  # scrapers still read the last requests
+    # The stream in flight finished in full (all 40 tokens, then [DONE]), then the server
+    # exited cleanly.
+    assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.wait_exit(timeout=30) == 0
     server.stop()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,16 @@ def test_uvicorn_still_has_the_method_stoppable_server_overrides() -> None:
     assert isinstance(uvicorn.Server.capture_signals(server), contextlib.AbstractContextManager)
     # The override installs uvicorn's own handler for the stop signals.
     assert list(inspect.signature(server.handle_exit).parameters) == ["sig", "frame"]
+
+
+def test_uvicorn_still_has_the_methods_the_drain_extends() -> None:
+    # StoppableServer's drain hooks uvicorn's handle_exit (the signal handler) and on_tick
+    # (its main loop's check, which decides when serve() stops listening).
+    for name, parameters in (("handle_exit", ["sig", "frame"]), ("on_tick", ["counter"])):
+        assert name in vars(uvicorn.Server), name
+        signature = inspect.signature(getattr(uvicorn.Server, name))
+        assert list(signature.parameters)[1:] == parameters, name
+    assert inspect.iscoroutinefunction(uvicorn.Server.on_tick)
 
 
 def wait_until_serving(port: int, process: subprocess.Popen, deadline_s: float = 30.0) -> None:
@@ -96,3 +107,60 @@ def test_sigterm_ends_serve_and_the_process_exits_0(
     assert process.returncode == returncode, stderr
     assert ("serve() returned" in stdout) is returned, stdout + stderr
     assert "Shutting down" in stderr  # uvicorn's graceful shutdown ran in both cases
+
+
+# A draining server whose one request never ends: "/" answers ok, "/hang" hangs.
+DRAIN_A_HANGING_REQUEST = """
+import asyncio, logging, sys
+import uvicorn
+from tidegate.engine.entrypoints.openai.drain import DrainMiddleware
+from tidegate.engine.http_server import Drain, StoppableServer
+
+async def app(scope, receive, send):
+    if scope["path"] == "/hang":
+        print("hanging", flush=True)
+        await asyncio.Event().wait()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+logging.basicConfig(level="INFO")
+drain = Drain(timeout_s=float(sys.argv[2]))
+config = uvicorn.Config(
+    DrainMiddleware(app, drain), host="127.0.0.1", port=int(sys.argv[1]), lifespan="off"
+)
+asyncio.run(StoppableServer(config, drain).serve())
+"""
+
+
+def test_a_drain_that_runs_out_of_time_stops_within_the_shutdown_timeout(tmp_path: Path) -> None:
+    port, timeout_s = free_port(), 1.5
+    process = subprocess.Popen(
+        [sys.executable, "-c", DRAIN_A_HANGING_REQUEST, str(port), str(timeout_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        wait_until_serving(port, process)
+        # A request in flight through the drain, once the app says it has it.
+        hanging = socket.create_connection(("127.0.0.1", port))
+        hanging.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert process.stdout is not None
+        while (line := process.stdout.readline()) != "hanging\n":
+            assert line, "the server exited before it had the request"  # else access logs
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+        assert refused.value.code == 503  # still listening, and refusing
+        _, stderr = process.communicate(timeout=30)
+        stopped_s = time.monotonic() - signalled
+        hanging.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert "drain timed out with 1 requests in flight" in stderr
+    assert timeout_s - 0.5 < stopped_s < timeout_s + 2.0, stopped_s

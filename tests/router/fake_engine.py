@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tidegate.common.local_server import free_port
+from tidegate.engine.http_server import DRAINING_HEADER
 
 DEADLINE_S = 10.0
 
@@ -48,6 +49,7 @@ class FakeEngine:
     name: str = "engine"
     received: list[Received] = field(default_factory=list)
     error_status: int | None = None  # answer every completion with this status
+    draining: bool = False  # as a server told to stop: /health and completions 503
     healthy: bool = True
     reported_load: float = 0.0  # what /metrics says is running
     gate: threading.Event | None = None  # a stream waits here after its first chunk
@@ -74,6 +76,9 @@ class FakeEngine:
     async def _completion(self, request: Request) -> Response:
         body = await request.json()
         self.received.append(Received(request.url.path, body, dict(request.headers)))
+        if self.draining:
+            error = {"message": f"{self.name} is shutting down", "type": "server_error"}
+            return JSONResponse({"error": error}, status_code=503, headers={DRAINING_HEADER: "1"})
         if self.error_status is not None:
             error = {"message": f"{self.name} refuses", "type": "invalid_request_error"}
             return JSONResponse({"error": error}, status_code=self.error_status)
@@ -107,7 +112,7 @@ class FakeEngine:
         return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        return Response(status_code=200 if self.healthy and not self.draining else 503)
 
     async def _metrics(self, request: Request) -> Response:
         text = (

@@ -48,7 +48,9 @@ def test_a_dead_prefill_instance_is_skipped_and_then_avoided(backend, router):
 
 def test_no_prefill_instance_left_is_a_quick_503_with_retry_after(backend, router):
     p0, p1, decode = backend("prefill"), backend("prefill"), backend("decode")
-    proxy = router([p0.url, p1.url], [decode.url], health_interval=60)
+    # Without holding: a pool with no healthy instance left is refused at once (held: see
+    # test_router_pending.py).
+    proxy = router([p0.url, p1.url], [decode.url], health_interval=60, max_pending=0)
     p0.kill()
     p1.kill()
     for _ in range(2):  # the first finds them dead, the second knows
@@ -76,7 +78,7 @@ def test_a_decode_instance_answering_5xx_is_left_for_another(backend, router):
 
 def test_health_follows_backends_that_die_and_come_back(backend, router):
     prefill, decode = backend("prefill"), backend("decode")
-    client = router([prefill.url], [decode.url], health_interval=0.05).client
+    client = router([prefill.url], [decode.url], health_interval=0.05, max_pending=0).client
     assert client.get("/health").status_code == 200
     decode.kill()
     wait_until(lambda: client.get("/health").status_code == 503, what="health 503")
@@ -111,3 +113,20 @@ def test_a_client_leaving_mid_stream_closes_the_decode_stream(backend, router):
     assert decode.engine.disconnected.wait(5.0), "the decode engine never saw the client leave"
     in_flight = f'tidegate:router_backend_in_flight{{role="decode",url="{decode.url}"}} 0.0'
     wait_until(lambda: in_flight in proxy.metrics(), what="in-flight back to 0")
+
+
+def test_a_draining_instance_is_left_at_its_first_503_and_at_its_next_health_check(backend, router):
+    # An engine told to stop answers /health and new requests 503 while it drains.
+    d0, d1 = backend("decode", error_status=503), backend("decode")
+    proxy = router([], [d0.url, d1.url], health_interval=60)
+    body = prompt_preferring(d0.url, [d0.url, d1.url])
+    response = timed_post(proxy.client, body)
+    assert response.status_code == 200 and response.json()["engine"] == d1.engine.name
+    # Out of rotation at once, without waiting a minute for the next health round.
+    assert f'tidegate:router_backend_up{{role="decode",url="{d0.url}"}} 0.0' in proxy.metrics()
+    # With nothing sent to it, the health check alone takes it out within a round.
+    d2, d3 = backend("decode"), backend("decode")
+    checked = router([], [d2.url, d3.url], health_interval=0.05)
+    d2.engine.healthy = False
+    up = f'tidegate:router_backend_up{{role="decode",url="{d2.url}"}} 0.0'
+    wait_until(lambda: up in checked.metrics(), timeout_s=2.0, what="a 503 /health to count")

@@ -10,6 +10,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import PlainTextResponse, Response
 
 from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware, tenant_cache_salt
+from tidegate.engine.entrypoints.openai.drain import DrainMiddleware
 from tidegate.engine.entrypoints.openai.engine_client import EngineClient, MetricsRenderer
 from tidegate.engine.entrypoints.openai.errors import install_error_handlers, model_not_found
 from tidegate.engine.entrypoints.openai.openapi import (
@@ -36,6 +37,7 @@ from tidegate.engine.entrypoints.openai.serving_chat import ChatServing
 from tidegate.engine.entrypoints.openai.serving_completion import CompletionServing
 from tidegate.engine.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.http_server import Drain
 
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -57,10 +59,12 @@ def build_app(
     api_key: str | None = None,
     metrics: MetricsRenderer | None = None,
     cache_salt_header: str | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
     With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
+    With `drain`, it counts requests in flight for it and refuses new ones once it starts.
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -68,6 +72,9 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    if drain is not None:
+        # Outermost: a request that comes while draining is refused before anything else.
+        app.add_middleware(DrainMiddleware, drain=drain)
     completions = CompletionServing(engine)
     chat = ChatServing(engine)
     created = int(time.time())
