@@ -16,33 +16,34 @@ def no_instance(pool: InstancePool, retry_after_s: float) -> OpenAIError:
     else:
         errors = "; ".join(f"{i.url}: {i.last_error or 'failed'}" for i in pool)
         detail = f"{len(pool)} known, none usable ({errors})"
-    return OpenAIError(
-        503,
-        f"no healthy {pool.role} instance: {detail}; retry after {retry_after(retry_after_s)} s",
-        type="server_error",
-        headers={"Retry-After": retry_after(retry_after_s)},
-    )
+    return _unavailable(f"no healthy {pool.role} instance: {detail}", retry_after_s)
 
 
 def queue_full(pool: InstancePool, max_pending: int, retry_after_s: float) -> OpenAIError:
     """503: no instance of a role is healthy and its queue of held requests is full."""
-    return OpenAIError(
-        503,
+    return _unavailable(
         f"no healthy {pool.role} instance, and {max_pending} requests already wait for one "
-        f"(--max-pending {max_pending}); retry after {retry_after(retry_after_s)} s",
-        type="server_error",
-        headers={"Retry-After": retry_after(retry_after_s)},
+        f"(--max-pending {max_pending})",
+        retry_after_s,
     )
 
 
 def pending_timeout(pool: InstancePool, timeout_s: float, retry_after_s: float) -> OpenAIError:
     """503: a held request waited its --pending-timeout and no instance of its role came."""
+    return _unavailable(
+        f"no {pool.role} instance became healthy within {timeout_s:g} s (--pending-timeout)",
+        retry_after_s,
+    )
+
+
+def _unavailable(message: str, retry_after_s: float) -> OpenAIError:
+    """A 503 that says when to retry, in the message and in Retry-After."""
+    after = retry_after(retry_after_s)
     return OpenAIError(
         503,
-        f"no {pool.role} instance became healthy within {timeout_s:g} s (--pending-timeout); "
-        f"retry after {retry_after(retry_after_s)} s",
+        f"{message}; retry after {after} s",
         type="server_error",
-        headers={"Retry-After": retry_after(retry_after_s)},
+        headers={"Retry-After": after},
     )
 
 
