@@ -12,6 +12,8 @@
 // style) in fp32, in base 2 (the query is scaled by scale * log2(e)). The inner loops run
 // over a chunk's keys or over head_dim, both compile-time sizes, so the compiler vectorizes
 // them for the ISA it is given (AVX-512 with -march=native here, AVX2 with x86-64-v3).
+// Built for a CPU with AVX512_BF16, bf16 tiles of 16 rows or more take attend_rows_bf16
+// instead: intrinsics on vdpbf16ps with rows in the vector lanes (see there).
 //
 // Ops (namespace tidegate_cpu):
 //   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -26,12 +28,18 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TIDEGATE_BF16_TILES 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -96,6 +104,269 @@ struct Problem {
   int64_t window;    // 0: none
 };
 
+
+#ifdef TIDEGATE_BF16_TILES
+// bf16 tiles on AVX512_BF16 (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes
+// per instruction, twice the fp32 FMA rate): one KV head's rows of a prefill tile, 16 rows
+// to a vector, up to kTileVectors vectors at a time. Rows sit in the lanes, so a key's
+// scores for 16 rows come out of one accumulator and the softmax over keys is lane-wise:
+// no horizontal sums and no transposed copy of K, whose bf16 words (pairs of head_dim
+// elements) are broadcast straight from the cache against the query packed once per tile.
+// Probabilities are rounded to bf16 for P*V (as flash attention does on GPUs); scores,
+// softmax statistics and accumulators stay fp32.
+constexpr int kLanes = 16;
+constexpr int kTileVectors = 4;  // row vectors of one block: at most 64 rows
+constexpr int kTileRows = kLanes * kTileVectors;
+constexpr int kKeyGroup = 4;     // keys whose scores accumulate together in registers
+// Rows from which a tile takes the bf16 path: a full vector.
+constexpr int kBf16MinRows = kLanes;
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// exp2_nonpositive on 16 lanes: the same split and polynomial.
+inline __m512 exp2_nonpositive_v(__m512 x) {
+  // vmaxps answers its second operand when one is NaN: a NaN score stays NaN.
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(1.5252734e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_LT_OQ),
+                            _mm512_setzero_ps());
+}
+
+// Floats of scratch one row block needs, for the largest head size.
+constexpr int64_t bf16_scratch_floats(int64_t head) {
+  return head / 2 * kTileRows      // packed query: [head / 2][rows] bf16 pairs
+         + head * kTileRows        // accumulators: [head][rows]
+         + KEYS * kTileRows        // scores and probabilities: [KEYS][rows]
+         + KEYS / 2 * kTileRows    // probabilities packed in pairs of keys: [KEYS / 2][rows]
+         + KEYS / 2 * head         // values packed in pairs of keys: [KEYS / 2][head]
+         + 4 * kTileRows;          // row max, row sum, position, alpha
+}
+
+template <int HEAD, int RV>
+void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int nrows,
+                      const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                      const c10::BFloat16* v_cache, c10::BFloat16* out,
+                      const int32_t* query_start_loc, const int32_t* seq_lens,
+                      const int32_t* block_table, float* scratch) {
+  constexpr int W = HEAD / 2;  // 32-bit words (pairs of bf16) of a head's row
+  constexpr int R = RV * kLanes;
+  static_assert(HEAD % 16 == 0, "values are packed 16 head_dim elements at a time");
+  const int64_t start = query_start_loc[item.seq];
+  const int64_t query_len = query_start_loc[item.seq + 1] - start;
+  const int64_t context_len = seq_lens[item.seq] - query_len;
+  const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, query_len - item.first));
+  const int group = static_cast<int>(p.group);
+
+  uint32_t* __restrict__ qp = reinterpret_cast<uint32_t*>(scratch);  // [W][R]
+  float* __restrict__ acc = scratch + W * R;                        // [HEAD][R]
+  float* __restrict__ s = acc + HEAD * R;                           // [KEYS][R]
+  uint32_t* __restrict__ pp = reinterpret_cast<uint32_t*>(s + KEYS * R);  // [KEYS/2][R]
+  uint32_t* __restrict__ vp = pp + KEYS / 2 * R;                    // [KEYS/2][HEAD]
+  float* __restrict__ row_max = reinterpret_cast<float*>(vp + KEYS / 2 * HEAD);
+  float* __restrict__ row_sum = row_max + R;
+  float* __restrict__ pos = row_sum + R;  // each row's position, as a float (exact < 2^24)
+  float* __restrict__ alpha = pos + R;
+
+  // Row r of the block is row row_lo + r of the head: token (row_lo + r) / group, query
+  // head h * group + (row_lo + r) % group. Lanes past nrows get a zero query.
+  const int64_t first_pos = context_len + item.first;
+  for (int r = 0; r < R; ++r) {
+    const int row = row_lo + std::min(r, nrows - 1);
+    const int64_t token = start + item.first + row / group;
+    const int64_t head = h * p.group + row % group;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(query + token * p.q_tok + head * p.q_head);
+    for (int w = 0; w < W; ++w) qp[w * R + r] = r < nrows ? src[w] : 0u;
+    pos[r] = static_cast<float>(first_pos + row / group);
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.f;
+  }
+  for (int i = 0; i < HEAD * R; ++i) acc[i] = 0.f;
+
+  const int64_t last_pos = first_pos + (row_lo + nrows - 1) / group;
+  const int64_t block_first_pos = first_pos + row_lo / group;
+  const int64_t key_end = last_pos + 1;
+  const int64_t key_begin =
+      p.window > 0 ? std::max<int64_t>(0, block_first_pos - p.window + 1) : 0;
+  const int32_t* table = block_table + item.seq * p.bt_row;
+  const float scale = p.scale_log2;
+  alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
+  // vpermw indices that interleave two 16-element halves: (a0, b0, a1, b1, ...).
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+
+  for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
+    const int64_t block_start = chunk * KEYS;
+    const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
+    const int64_t block = table[block_start / p.block_size];
+    const int64_t slot = block_start % p.block_size;
+    const bool all_visible = n == KEYS && block_start + KEYS - 1 <= block_first_pos &&
+                             (p.window == 0 || block_start > last_pos - p.window);
+    const c10::BFloat16* kb = k_cache + block * p.kc_blk + slot * p.kc_slot + h * p.kc_head;
+    const c10::BFloat16* vb = v_cache + block * p.vc_blk + slot * p.vc_slot + h * p.vc_head;
+    // Keys past the sequence's end (stale data, even NaN) read as zeros.
+    const c10::BFloat16* krows[KEYS];
+    const c10::BFloat16* vrows[KEYS];
+    for (int t = 0; t < KEYS; ++t) {
+      krows[t] = t < n ? kb + t * p.kc_slot : zero_row;
+      vrows[t] = t < n ? vb + t * p.vc_slot : zero_row;
+    }
+
+    // Scores: s[t][r] = q_r . k_t, kKeyGroup keys by RV row vectors in registers.
+    for (int t0 = 0; t0 < KEYS; t0 += kKeyGroup) {
+      __m512 sc[kKeyGroup][RV];
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeyGroup; ++j)
+#pragma GCC unroll 4
+        for (int v = 0; v < RV; ++v) sc[j][v] = _mm512_setzero_ps();
+      const uint32_t* kw[kKeyGroup];
+      for (int j = 0; j < kKeyGroup; ++j) kw[j] = reinterpret_cast<const uint32_t*>(krows[t0 + j]);
+      for (int w = 0; w < W; ++w) {
+        __m512i qv[RV];
+#pragma GCC unroll 4
+        for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_si512(qp + w * R + v * kLanes);
+#pragma GCC unroll 16
+        for (int j = 0; j < kKeyGroup; ++j) {
+          const __m512i kv = _mm512_set1_epi32(static_cast<int>(kw[j][w]));
+#pragma GCC unroll 4
+          for (int v = 0; v < RV; ++v) sc[j][v] = _mm512_dpbf16_ps(sc[j][v], as_bh(qv[v]), as_bh(kv));
+        }
+      }
+      for (int j = 0; j < kKeyGroup; ++j)
+        for (int v = 0; v < RV; ++v)
+          _mm512_storeu_ps(s + (t0 + j) * R + v * kLanes, _mm512_mul_ps(sc[j][v], _mm512_set1_ps(scale)));
+    }
+    // Online softmax, lane-wise: each row's max over the chunk (keys it may not see are
+    // -inf), the rescale of what it had, and the chunk's probabilities in place of scores.
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      const __m512 row_pos = _mm512_loadu_ps(pos + v * kLanes);
+      __m512 m = _mm512_loadu_ps(row_max + v * kLanes);
+      __m512 sv[KEYS];
+#pragma GCC unroll 16
+      for (int t = 0; t < KEYS; ++t) {
+        sv[t] = _mm512_loadu_ps(s + t * R + v * kLanes);
+        if (!all_visible) {
+          const __m512 key = _mm512_set1_ps(static_cast<float>(block_start + t));
+          __mmask16 hidden = _mm512_cmp_ps_mask(key, row_pos, _CMP_GT_OQ);
+          if (t >= n) hidden = 0xFFFF;
+          if (p.window > 0) {
+            const __m512 lo = _mm512_sub_ps(row_pos, _mm512_set1_ps(static_cast<float>(p.window)));
+            hidden |= _mm512_cmp_ps_mask(key, lo, _CMP_LE_OQ);
+          }
+          sv[t] = _mm512_mask_mov_ps(sv[t], hidden, _mm512_set1_ps(kNegInf));
+        }
+        m = _mm512_max_ps(m, sv[t]);
+      }
+      // A row that has seen nothing yet stays empty: shift by 0, not by -inf.
+      const __m512 shift = _mm512_mask_mov_ps(
+          m, _mm512_cmp_ps_mask(m, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), _mm512_setzero_ps());
+      const __m512 old_max = _mm512_loadu_ps(row_max + v * kLanes);
+      const __m512 a = exp2_nonpositive_v(_mm512_sub_ps(old_max, shift));
+      __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int t = 0; t < KEYS; ++t) {
+        const __m512 e = exp2_nonpositive_v(_mm512_sub_ps(sv[t], shift));
+        _mm512_storeu_ps(s + t * R + v * kLanes, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_storeu_ps(alpha + v * kLanes, a);
+      _mm512_storeu_ps(row_max + v * kLanes, m);
+      _mm512_storeu_ps(row_sum + v * kLanes,
+                       _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + v * kLanes), a, sum));
+    }
+    // Probabilities to bf16, keys in pairs: word (p[2u][r], p[2u+1][r]) per lane.
+    for (int u = 0; u < KEYS / 2; ++u) {
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) {
+        const __m512 even = _mm512_loadu_ps(s + (2 * u) * R + v * kLanes);
+        const __m512 odd = _mm512_loadu_ps(s + (2 * u + 1) * R + v * kLanes);
+        // Low half from the second operand: [even 0..15 | odd 0..15], then interleaved.
+        const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+        _mm512_storeu_si512(pp + u * R + v * kLanes, _mm512_permutexvar_epi16(interleave, halves));
+      }
+    }
+    // Values in pairs of keys: word (v[2u][d], v[2u+1][d]).
+    for (int u = 0; u < KEYS / 2; ++u) {
+      const c10::BFloat16* even = vrows[2 * u];
+      const c10::BFloat16* odd = vrows[2 * u + 1];
+#pragma GCC unroll 16
+      for (int d = 0; d < HEAD; d += 16) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d));
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(vp + u * HEAD + d, _mm512_permutexvar_epi16(interleave, ab));
+      }
+    }
+    // acc[d][r] = acc[d][r] * alpha[r] + sum over keys of p[t][r] * v[t][d].
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      __m512i pv[KEYS / 2];
+#pragma GCC unroll 8
+      for (int u = 0; u < KEYS / 2; ++u) pv[u] = _mm512_loadu_si512(pp + u * R + v * kLanes);
+      const __m512 av = _mm512_loadu_ps(alpha + v * kLanes);
+      for (int d = 0; d < HEAD; ++d) {
+        float* a = acc + d * R + v * kLanes;
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a), av);
+#pragma GCC unroll 8
+        for (int u = 0; u < KEYS / 2; ++u) {
+          x = _mm512_dpbf16_ps(x, as_bh(pv[u]), as_bh(_mm512_set1_epi32(static_cast<int>(vp[u * HEAD + d]))));
+        }
+        _mm512_storeu_ps(a, x);
+      }
+    }
+  }
+
+  for (int r = 0; r < nrows; ++r) {
+    const int row = row_lo + r;
+    const int64_t token = start + item.first + row / group;
+    const int64_t head = h * p.group + row % group;
+    c10::BFloat16* dst = out + token * p.o_tok + head * p.o_head;
+    const float inv = 1.f / row_sum[r];  // every row sees at least its own key
+    for (int d = 0; d < HEAD; ++d) dst[d] = from_float<c10::BFloat16>(acc[d * R + r] * inv);
+  }
+  (void)tile;
+}
+
+// A bf16 tile's rows, one KV head and up to kTileRows rows at a time.
+template <int HEAD>
+void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::BFloat16* query,
+                      const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                      c10::BFloat16* out, const int32_t* qsl, const int32_t* sl,
+                      const int32_t* bt, float* scratch) {
+  for (int h = item.head_lo; h < item.head_hi; ++h) {
+    for (int lo = 0; lo < rows; lo += kTileRows) {
+      const int n = std::min(kTileRows, rows - lo);
+      const int vectors = (n + kLanes - 1) / kLanes;
+#define TIDEGATE_RV(V)                                                                   \
+  case V:                                                                               \
+    attend_rows_bf16<HEAD, V>(p, item, h, lo, n, query, k_cache, v_cache, out, qsl, sl, \
+                              bt, scratch);                                             \
+    break;
+      switch (vectors) {
+        TIDEGATE_RV(1)
+        TIDEGATE_RV(2)
+        TIDEGATE_RV(3)
+        TIDEGATE_RV(4)
+      }
+#undef TIDEGATE_RV
+    }
+  }
+}
+#endif  // TIDEGATE_BF16_TILES
+
 template <typename T, int HEAD>
 void attend_item(const Problem& p, const Item& item, const T* query, const T* k_cache,
                  const T* v_cache, T* out, const int32_t* query_start_loc,
@@ -110,6 +381,14 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
   // Rows of one KV head: row r is token r / group, query head kv_head * group + r % group.
   const int rows = tile * group;
   const int all_rows = rows * kv_heads;
+#ifdef TIDEGATE_BF16_TILES
+  if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 16 == 0) {
+    if (rows >= kBf16MinRows) {
+      return attend_item_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
+                                    query_start_loc, seq_lens, block_table, scratch);
+    }
+  }
+#endif
 
   float* __restrict__ q = scratch;          // [all_rows][HEAD], scaled
   float* __restrict__ acc = q + all_rows * HEAD;   // [all_rows][HEAD]
@@ -298,8 +577,11 @@ void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& que
   const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
   const int32_t* bt = block_table.const_data_ptr<int32_t>();
   const int64_t max_rows = kQueryTile * p.num_heads;  // all heads of a full tile
-  const int64_t scratch_floats =
+  int64_t scratch_floats =
       2 * max_rows * HEAD + 3 * HEAD * KEYS + max_rows * KEYS + 2 * max_rows;
+#ifdef TIDEGATE_BF16_TILES
+  scratch_floats = std::max(scratch_floats, bf16_scratch_floats(HEAD));
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   // Items differ in cost (a causal tile near the end of a prompt reads more keys): threads

@@ -94,7 +94,8 @@ def test_randomized_batches_match_dense_reference(seed):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    ("dtype", "window"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 300)]
+    ("dtype", "window"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 300), (torch.bfloat16, 300)],
 )
 def test_tiles_deep_in_long_contexts_split_by_kv_head_and_match_dense(dtype, window, threads):
     # A tile that attends to 8,192 (token, key) pairs or more runs as one work item per KV
@@ -111,6 +112,44 @@ def test_tiles_deep_in_long_contexts_split_by_kv_head_and_match_dense(dtype, win
 
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 37], ids=["causal", "window"])
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "group"),
+    [(64, 16, 3), (80, 32, 1), (128, 16, 8), (32, 64, 5), (256, 16, 2), (96, 32, 32)],
+    ids=lambda x: str(x),
+)
+def test_bf16_tiles_match_dense_reference(head_dim, block_size, group, window):
+    # Where the CPU has AVX512_BF16, a bf16 tile of 16 rows or more (tokens times the GQA
+    # group) runs on vdpbf16ps with rows in the vector lanes, up to 64 rows at a time: full
+    # and partial row vectors, several row blocks (group 8 and 32), tiles whose first rows
+    # see none of a chunk, contexts that start mid-block, and a decode beside them on the
+    # other path. Elsewhere the same cases check the portable path.
+    chunks = [(0, 40), (19, 16), (130, 7), (3, 1), (250, 33), (0, 5)]
+    seed = head_dim + block_size + group
+
+    out, expected = run_case(chunks, head_dim, block_size, group, torch.bfloat16, seed, window)
+
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_nan_query_gives_nan_rows_not_a_silent_average():
+    # A NaN that reaches attention (an overflowing model) must show in that row's output,
+    # on the bf16 tile path as on the others; the other rows stay finite.
+    chunks = [(20, 32)]
+    rng = random.Random(5)
+    meta, tables, num_blocks = paged_batch(chunks, 16, rng)
+    args = (chunks, tables, num_blocks, 16, 64, torch.bfloat16)
+    k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * 4, 64).to(torch.bfloat16)
+    query[3, 1] = float("nan")
+
+    out = CpuAttentionBackend(max_kernel_query_len=0).attend(query, k_cache, v_cache, meta, 0.125)
+
+    assert out[3, 1].isnan().all()
+    out[3, 1] = 0
+    assert out.isfinite().all()
 
 
 def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel_in_one_batch():
