@@ -260,8 +260,8 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
         sv[t] = _mm512_loadu_ps(s + t * R + v * kLanes);
         if (!all_visible) {
           const __m512 key = _mm512_set1_ps(static_cast<float>(block_start + t));
+          // Keys past the chunk's end (t >= n) are past every row's position too.
           __mmask16 hidden = _mm512_cmp_ps_mask(key, row_pos, _CMP_GT_OQ);
-          if (t >= n) hidden = 0xFFFF;
           if (p.window > 0) {
             const __m512 lo = _mm512_sub_ps(row_pos, _mm512_set1_ps(static_cast<float>(p.window)));
             hidden |= _mm512_cmp_ps_mask(key, lo, _CMP_LE_OQ);
@@ -365,6 +365,200 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
     }
   }
 }
+
+// Transposes 16 rows of 16 32-bit words in registers: row k of the result is column k.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Floats of scratch a few-row tile needs: `rows` rows over all the KV heads it computes.
+constexpr int64_t bf16_few_rows_scratch_floats(int64_t head, int64_t rows) {
+  return rows * head / 2       // query rows as bf16 pairs: [rows][head / 2]
+         + rows * head         // accumulators: [rows][head]
+         + head / 2 * KEYS     // one head's keys transposed, bf16 pairs: [head / 2][KEYS]
+         + KEYS / 2 * head     // one head's values in pairs of keys: [KEYS / 2][head]
+         + rows * KEYS / 2     // probabilities in pairs of keys: [rows][KEYS / 2]
+         + 3 * rows;           // row max, row sum, alpha
+}
+
+// bf16 tiles of fewer than 16 rows per KV head (decodes: the GQA group) on AVX512_BF16: keys
+// in the lanes. For each chunk of 16 keys and each KV head in turn (the chunk's slots are
+// contiguous, so each cache line is fetched once for all heads), the keys are transposed
+// into bf16-pair words ([head / 2][16]) that every row of the head multiplies against its
+// own broadcast query words, 16 scores at a time; values are packed in pairs of keys for
+// P*V, with the row's bf16 probabilities broadcast in pairs. No key or value is converted
+// to fp32. (Prefetching the next chunk's scattered block measured no faster.)
+template <int HEAD>
+void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
+                          const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                          const c10::BFloat16* v_cache, c10::BFloat16* out,
+                          const int32_t* query_start_loc, const int32_t* seq_lens,
+                          const int32_t* block_table, float* scratch) {
+  constexpr int W = HEAD / 2;
+  static_assert(W % kLanes == 0, "keys are transposed 16 words at a time");
+  const int64_t start = query_start_loc[item.seq];
+  const int64_t query_len = query_start_loc[item.seq + 1] - start;
+  const int64_t context_len = seq_lens[item.seq] - query_len;
+  const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, query_len - item.first));
+  const int group = static_cast<int>(p.group);
+  const int heads = item.head_hi - item.head_lo;
+  const int all_rows = rows * heads;  // row h * rows + r: head item.head_lo + h, row r
+
+  uint32_t* __restrict__ qp = reinterpret_cast<uint32_t*>(scratch);  // [all_rows][W]
+  float* __restrict__ acc = scratch + all_rows * W;                   // [all_rows][HEAD]
+  uint32_t* __restrict__ kt = reinterpret_cast<uint32_t*>(acc + all_rows * HEAD);
+  uint32_t* __restrict__ vp = kt + W * KEYS;                          // [KEYS/2][HEAD]
+  uint32_t* __restrict__ pw = vp + KEYS / 2 * HEAD;                   // [all_rows][KEYS/2]
+  float* __restrict__ row_max = reinterpret_cast<float*>(pw + all_rows * KEYS / 2);
+  float* __restrict__ row_sum = row_max + all_rows;
+  float* __restrict__ alpha = row_sum + all_rows;
+
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int row = h * rows + r;
+      const int64_t token = start + item.first + r / group;
+      const int64_t head = (item.head_lo + h) * p.group + r % group;
+      std::memcpy(qp + row * W, query + token * p.q_tok + head * p.q_head, W * sizeof(uint32_t));
+      row_max[row] = kNegInf;
+      row_sum[row] = 0.f;
+    }
+  }
+  for (int i = 0; i < all_rows * HEAD; ++i) acc[i] = 0.f;
+
+  const int64_t first_pos = context_len + item.first;
+  const int64_t last_pos = first_pos + tile - 1;
+  const int64_t key_end = last_pos + 1;
+  const int64_t key_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int32_t* table = block_table + item.seq * p.bt_row;
+  const __m512 scale = _mm512_set1_ps(p.scale_log2);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 lane_offsets = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+
+  for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
+    const int64_t block_start = chunk * KEYS;
+    const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
+    const int64_t block = table[block_start / p.block_size];
+    const int64_t slot = block_start % p.block_size;
+    const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
+                             (p.window == 0 || block_start > last_pos - p.window);
+    const __m512 keys =
+        _mm512_add_ps(_mm512_set1_ps(static_cast<float>(block_start)), lane_offsets);
+    for (int h = 0; h < heads; ++h) {
+      const int kv_head = item.head_lo + h;
+      const c10::BFloat16* kb =
+          k_cache + block * p.kc_blk + slot * p.kc_slot + kv_head * p.kc_head;
+      const c10::BFloat16* vb =
+          v_cache + block * p.vc_blk + slot * p.vc_slot + kv_head * p.vc_head;
+      // Keys past the sequence's end (stale data, even NaN) read as zeros.
+      for (int wb = 0; wb < W; wb += kLanes) {
+        __m512i k[KEYS];
+        for (int t = 0; t < KEYS; ++t) {
+          const c10::BFloat16* row = t < n ? kb + t * p.kc_slot : zero_row;
+          k[t] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(row) + wb);
+        }
+        transpose16x16(k);
+        for (int j = 0; j < kLanes; ++j) _mm512_storeu_si512(kt + (wb + j) * KEYS, k[j]);
+      }
+      for (int u = 0; u < KEYS / 2; ++u) {
+        const c10::BFloat16* even = 2 * u < n ? vb + 2 * u * p.vc_slot : zero_row;
+        const c10::BFloat16* odd = 2 * u + 1 < n ? vb + (2 * u + 1) * p.vc_slot : zero_row;
+        for (int d = 0; d < HEAD; d += 16) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d));
+          const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+          _mm512_storeu_si512(vp + u * HEAD + d, _mm512_permutexvar_epi16(interleave, ab));
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int row = h * rows + r;
+        // Two accumulators: two dependency chains through the dot products.
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        const uint32_t* q = qp + row * W;
+#pragma GCC unroll 8
+        for (int w = 0; w < W; w += 2) {
+          s0 = _mm512_dpbf16_ps(s0, as_bh(_mm512_set1_epi32(static_cast<int>(q[w]))),
+                                as_bh(_mm512_loadu_si512(kt + w * KEYS)));
+          s1 = _mm512_dpbf16_ps(s1, as_bh(_mm512_set1_epi32(static_cast<int>(q[w + 1]))),
+                                as_bh(_mm512_loadu_si512(kt + (w + 1) * KEYS)));
+        }
+        __m512 sv = _mm512_mul_ps(_mm512_add_ps(s0, s1), scale);
+        if (!all_visible) {  // keys past the chunk's end are past every row's position
+          const float pos = static_cast<float>(first_pos + r / group);
+          __mmask16 hidden = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(pos), _CMP_GT_OQ);
+          if (p.window > 0) {
+            const __m512 lo = _mm512_set1_ps(pos - static_cast<float>(p.window));
+            hidden |= _mm512_cmp_ps_mask(keys, lo, _CMP_LE_OQ);
+          }
+          sv = _mm512_mask_mov_ps(sv, hidden, neg_inf);
+        }
+        const float chunk_max = _mm512_reduce_max_ps(sv);
+        if (chunk_max == kNegInf) {  // nothing of this chunk is visible to the row
+          alpha[row] = 1.f;
+          std::memset(pw + row * (KEYS / 2), 0, KEYS / 2 * sizeof(uint32_t));
+          continue;
+        }
+        const float new_max = std::max(row_max[row], chunk_max);
+        alpha[row] = exp2_nonpositive(row_max[row] - new_max);  // 0 the first time
+        const __m512 e = exp2_nonpositive_v(_mm512_sub_ps(sv, _mm512_set1_ps(new_max)));
+        row_sum[row] = row_sum[row] * alpha[row] + _mm512_reduce_add_ps(e);
+        row_max[row] = new_max;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + row * (KEYS / 2)),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int row = h * rows + r;
+        const __m512 a = _mm512_set1_ps(alpha[row]);
+        const uint32_t* pr = pw + row * (KEYS / 2);
+#pragma GCC unroll 16
+        for (int d = 0; d < HEAD; d += 16) {
+          float* dst = acc + row * HEAD + d;
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(dst), a);
+#pragma GCC unroll 8
+          for (int u = 0; u < KEYS / 2; ++u) {
+            x = _mm512_dpbf16_ps(x, as_bh(_mm512_set1_epi32(static_cast<int>(pr[u]))),
+                                 as_bh(_mm512_loadu_si512(vp + u * HEAD + d)));
+          }
+          _mm512_storeu_ps(dst, x);
+        }
+      }
+    }
+  }
+
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int row = h * rows + r;
+      const int64_t token = start + item.first + r / group;
+      const int64_t head = (item.head_lo + h) * p.group + r % group;
+      c10::BFloat16* dst = out + token * p.o_tok + head * p.o_head;
+      const float inv = 1.f / row_sum[row];  // every row sees at least its own key
+      for (int d = 0; d < HEAD; ++d) dst[d] = from_float<c10::BFloat16>(acc[row * HEAD + d] * inv);
+    }
+  }
+}
 #endif  // TIDEGATE_BF16_TILES
 
 template <typename T, int HEAD>
@@ -386,6 +580,10 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
     if (rows >= kBf16MinRows) {
       return attend_item_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
                                     query_start_loc, seq_lens, block_table, scratch);
+    }
+    if constexpr (HEAD % (2 * kLanes) == 0) {
+      return attend_few_rows_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
+                                        query_start_loc, seq_lens, block_table, scratch);
     }
   }
 #endif
@@ -580,7 +778,8 @@ void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& que
   int64_t scratch_floats =
       2 * max_rows * HEAD + 3 * HEAD * KEYS + max_rows * KEYS + 2 * max_rows;
 #ifdef TIDEGATE_BF16_TILES
-  scratch_floats = std::max(scratch_floats, bf16_scratch_floats(HEAD));
+  scratch_floats = std::max({scratch_floats, bf16_scratch_floats(HEAD),
+                             bf16_few_rows_scratch_floats(HEAD, max_rows)});
 #endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
