@@ -16,6 +16,9 @@ import kopf
 from tidegate.operator.spec import API_VERSION, KIND, PLURAL
 
 FIELD_MANAGER = "tidegate-operator"
+# The operator's autoscaler sets an autoscaled pool's spec.replicas under its own field
+# manager: the reconcile's applies leave that field out, and neither undoes the other.
+AUTOSCALER_FIELD_MANAGER = "tidegate-autoscaler"
 # How long a replaced connection stays open for the calls already using it.
 _OLD_SESSION_GRACE_S = 60.0
 
@@ -138,11 +141,13 @@ class Kube:
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"])
         return await self._call("POST", path, obj, params={"fieldManager": FIELD_MANAGER}) or {}
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(
+        self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER
+    ) -> dict[str, Any]:
         """Server-side apply: we own exactly the fields we send, other managers keep theirs."""
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        params = {"fieldManager": field_manager, "force": "true"}
         return (
             await self._call("PATCH", path, obj, "application/apply-patch+yaml", params=params)
             or {}
