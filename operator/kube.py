@@ -33,8 +33,14 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
-# ... and of every kind it reads or writes: those, and the LLMDeployment itself.
-KINDS: dict[tuple[str, str], str] = {**OWNED_KINDS, (API_VERSION, KIND): PLURAL}
+# ... and of every kind it reads or writes: those, the LLMDeployment itself, and for the
+# autoscaler the pools' pods (read, and annotated with a deletion cost) and Events.
+KINDS: dict[tuple[str, str], str] = {
+    **OWNED_KINDS,
+    (API_VERSION, KIND): PLURAL,
+    ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
+}
 
 
 class KubeError(Exception):
@@ -152,6 +158,13 @@ class Kube:
             await self._call("PATCH", path, obj, "application/apply-patch+yaml", params=params)
             or {}
         )
+
+    async def merge_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A JSON merge patch of an object (say, one annotation of a pod we do not own)."""
+        path = object_path(api_version, kind, namespace, name)
+        return await self._call("PATCH", path, patch, "application/merge-patch+json") or {}
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Delete an object; one that is already gone is fine."""
