@@ -42,7 +42,7 @@ def test_plan_prints_objects_and_tuning_with_reasons(tmp_path: Path) -> None:
     # The pool's autoscaling policy, with what each value does.
     replicas_line = next(line for line in out.splitlines() if line.startswith("unified  replicas"))
     assert replicas_line.split()[:3] == ["unified", "replicas", "1-4"]
-    assert "autoscaled, starts at 2" in replicas_line
+    assert "autoscaled by the operator, starts at 2" in replicas_line
     assert "default: scheduling.maxNumSeqs" in out and "p90 TTFT <= 800 ms" in out
 
 

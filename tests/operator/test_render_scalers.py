@@ -457,3 +457,4 @@ def test_plan_lists_the_scaler_and_the_router() -> None:
         ("Service", "llm-unified"),
     ]:
         assert any(line.split()[:2] == [kind, name] for line in table.splitlines()), table
+    assert "autoscaled by KEDA, starts at 1" in table
