@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tidegate.operator.cluster_scaler import PERIOD_S, ClusterAutoscaler
 from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
@@ -58,6 +58,8 @@ class _State:
     def __init__(self) -> None:
         self.kube: Kube | None = None
         self.autoscaler: ClusterAutoscaler | None = None
+        # The autoscaler's gauges: served from startup on, filled once it runs.
+        self.registry = CollectorRegistry()
         self.metrics: web.AppRunner | None = None
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.pending: set[tuple[str, str]] = set()
@@ -82,8 +84,11 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.startup(registry=registry)
-    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)
+        if options.metrics_port is not None:
+            # Here rather than at login: a port already taken stops the operator at once.
+            state.metrics = await serve_metrics(state.registry, options.metrics_port)
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -93,9 +98,9 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         if info is not None:
             if state.kube is None:
                 state.kube = Kube(info)
-                state.autoscaler = ClusterAutoscaler(state.kube, options.autoscale_period_s)
-                if options.metrics_port is not None:
-                    state.metrics = await serve_metrics(state.autoscaler, options.metrics_port)
+                state.autoscaler = ClusterAutoscaler(
+                    state.kube, options.autoscale_period_s, registry=state.registry
+                )
             else:
                 state.kube.update(info)
         return info
@@ -187,11 +192,11 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     return registry
 
 
-async def serve_metrics(autoscaler: ClusterAutoscaler, port: int) -> web.AppRunner:
-    """Serve the autoscaler's gauges at http://0.0.0.0:`port`/metrics until cleaned up."""
+async def serve_metrics(registry: CollectorRegistry, port: int) -> web.AppRunner:
+    """Serve `registry` at http://0.0.0.0:`port`/metrics until cleaned up."""
 
     async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(autoscaler.registry)
+        body = generate_latest(registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
