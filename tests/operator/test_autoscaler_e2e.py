@@ -223,7 +223,11 @@ def test_load_grows_the_pool_and_a_reconcile_keeps_the_autoscalers_replicas(
     (event,) = wait_for(lambda: events(cluster, "grow"), what="an Event")
     assert event["reason"] == "Scaled" and event["type"] == "Normal"
     assert event["message"] == f"unified: {entry['reason']}"
-    assert status(cluster, "grow")["replicas"]["unified"]["desired"] == 3
+    # The reconcile that the Deployment's change starts reads the autoscaler's replicas.
+    wait_for(
+        lambda: status(cluster, "grow")["replicas"]["unified"]["desired"] == 3,
+        what="status.replicas from the live Deployment",
+    )
     metrics = parse_exposition(httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text)
     (gauge,) = [s for s in metrics if s.name == "tidegate:autoscaler_desired_replicas"]
     assert gauge.labels == {"namespace": NS, "llmdeployment": "grow", "role": "unified"}
@@ -281,7 +285,10 @@ def test_a_scale_down_first_prices_the_pods_so_the_idlest_goes(
     scaled = cluster.requests("PATCH", f"{DEPLOYMENTS}/shrink", since=mark)[0]
     priced = [cluster.requests("PATCH", f"{pods}/{name}", since=mark)[0] for name in loads]
     assert all(p.id < scaled.id for p in priced)
-    assert autoscaling(cluster, "shrink")["reason"].startswith("3 -> 2: 5 requests")
+    wait_for(
+        lambda: autoscaling(cluster, "shrink")["reason"].startswith("3 -> 2: 5 requests"),
+        what="the reason in status",
+    )
 
 
 def test_an_idle_pool_goes_to_zero_and_held_requests_wake_it(
@@ -295,13 +302,19 @@ def test_an_idle_pool_goes_to_zero_and_held_requests_wake_it(
     add_pod(cluster, "nap-a", "nap", "unified", serve(expositions, engine(0)))
 
     wait_for(lambda: replicas(cluster, "nap") == 0, timeout=10, what="zero after idle")
-    assert autoscaling(cluster, "nap")["reason"].startswith("1 -> 0: no request for")
+    wait_for(
+        lambda: autoscaling(cluster, "nap")["reason"].startswith("1 -> 0: no request for"),
+        what="the reason in status",
+    )
     cluster.delete("v1", "Pod", "nap-a")  # the ReplicaSet's part
 
     # A request arrives at the router, which holds it: the pool wakes at once.
     router.text = 'tidegate:router_pending_requests{pool="unified"} 2\n'
     wait_for(lambda: replicas(cluster, "nap") == 1, what="woken")
-    assert autoscaling(cluster, "nap")["reason"].startswith("0 -> 1: wake from zero")
+    wait_for(
+        lambda: autoscaling(cluster, "nap")["reason"].startswith("0 -> 1: wake from zero"),
+        what="the reason in status",
+    )
     reasons = [e["message"] for e in events(cluster, "nap")]
     assert [r.split(":")[1].strip() for r in reasons] == ["1 -> 0", "0 -> 1"]
 
