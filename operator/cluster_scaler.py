@@ -269,13 +269,17 @@ class ClusterAutoscaler:
     # -- the tasks -------------------------------------------------------------------------
 
     def watch(self, resource: Mapping[str, Any]) -> None:
-        """Start the resource's task if the operator drives a policy of it and none runs."""
+        """Start the resource's task if the operator drives a policy of it (or its status
+        still holds an entry of one) and none runs."""
         meta = resource["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         task = self.tasks.get(key)
         if task is not None and not task.done():
             return
-        if not operator_policies(resource):
+        policies = operator_policies(resource)
+        # A policy dropped while no operator ran leaves its entry: one pass clears it.
+        stale = policies == {} and (resource.get("status") or {}).get(AUTOSCALING_STATUS_KEY)
+        if not policies and not stale:
             return
         self.tasks[key] = asyncio.get_running_loop().create_task(
             self._run(*key), name=f"autoscaler {key[0]}/{key[1]}"

@@ -328,3 +328,22 @@ def test_the_idle_clock_survives_a_restart(idle: float | None) -> None:
     decision = decide(policy, targets, PoolSignals(ready=1), state, 130.0)
     restored = restored_state(status_entry(decision, policy, None, 130.0), 140.0)
     assert restored.idle_since == (idle if idle is not None else 130.0)
+
+
+def test_an_entry_left_by_a_policy_dropped_while_no_operator_ran_is_cleared() -> None:
+    kube, clock = MemoryKube(), Clock()
+    obj = resource({"minReplicas": 1, "maxReplicas": 4})
+    del obj["spec"]["autoscaling"]
+    obj["status"] = {"autoscaling": {"unified": {"desired": 2, "current": 2, "reason": "x"}}}
+    kube.objects[("LLMDeployment", "llm")] = obj
+    autoscaler = ClusterAutoscaler(kube, period_s=0.01, clock=clock)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        autoscaler.watch(obj)
+        await asyncio.wait_for(asyncio.gather(*autoscaler.tasks.values()), timeout=5)
+        autoscaler.watch(kube.objects[("LLMDeployment", "llm")])  # nothing left: no task
+        assert not autoscaler.tasks
+        await autoscaler.close()
+
+    asyncio.run(run())
+    assert "autoscaling" not in kube.objects[("LLMDeployment", "llm")]["status"]
