@@ -2,9 +2,9 @@
 
 `decide` is pure: the pool's policy, what the pool shows at time `now` (`PoolSignals`) and
 what earlier decisions left (`ScalerState`) go in; the desired replicas, a reason and the
-next state come out. The operator's loop and `tidegate up` are to call it with what they
-scrape (the next part of issue 22); the trace tests and `benchmarks/autoscaling.py` call it
-with a simulated fleet.
+next state come out. The operator's autoscaler (`operator/cluster_scaler.py`) and
+`tidegate up` (`operator/up_scaler.py`) call it with what they scrape; the trace tests and
+`benchmarks/autoscaling.py` call it with a simulated fleet.
 
 One decision:
 

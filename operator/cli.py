@@ -50,7 +50,11 @@ def _operator(ns: argparse.Namespace) -> int:
     from tidegate.operator.render import RenderOptions
 
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    options = OperatorOptions(render=RenderOptions(default_image=ns.engine_image))
+    options = OperatorOptions(
+        render=RenderOptions(default_image=ns.engine_image),
+        autoscale_period_s=ns.autoscale_period,
+        metrics_port=ns.metrics_port or None,
+    )
     run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
     return 0
 
@@ -85,6 +89,8 @@ def add_up(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> No
 
 
 def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    from tidegate.operator.cluster_scaler import PERIOD_S
+
     parser.add_argument(
         "-n",
         "--namespace",
@@ -99,7 +105,26 @@ def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None)
     parser.add_argument(
         "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="port of the operator's /metrics (the autoscaler's gauges); 0 for none",
+    )
+    parser.add_argument(
+        "--autoscale-period",
+        type=_positive_seconds,
+        default=PERIOD_S,
+        help="seconds between two decisions of the autoscaler (driver: operator)",
+    )
     parser.set_defaults(handler=_operator)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def add_demo(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:

@@ -9,6 +9,9 @@
 kopf keeps its own bookkeeping under status.kopf (not in annotations): a GitOps tool that
 compares metadata and spec sees no drift. There is no timer: kopf guards timers with a
 finalizer, which would write to every resource and block deletion when the operator is gone.
+For the same reason the autoscaler is not a kopf daemon: each reconcile of a resource whose
+policies the operator drives starts its task in `ClusterAutoscaler` if none runs, and the task
+ends by itself once the resource is gone or has no such policy (`operator/cluster_scaler.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from tidegate.operator.cluster_scaler import PERIOD_S, ClusterAutoscaler
 from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
 from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, owned_labels
 from tidegate.operator.reconcile import reconcile
@@ -37,6 +43,9 @@ class OperatorOptions:
     # refusal that lasts costs a write every few minutes, not every few seconds.
     retry_seconds: float = 10.0
     max_retry_seconds: float = 600.0
+    # The autoscaler's period, and the port of the operator's /metrics (None: not served).
+    autoscale_period_s: float = PERIOD_S
+    metrics_port: int | None = None
 
     def retry_delay(self, retry: int) -> float:
         """Seconds to wait after the `retry`-th retry (0: the first attempt) failed."""
@@ -48,6 +57,10 @@ class _State:
 
     def __init__(self) -> None:
         self.kube: Kube | None = None
+        self.autoscaler: ClusterAutoscaler | None = None
+        # The autoscaler's gauges: served from startup on, filled once it runs.
+        self.registry = CollectorRegistry()
+        self.metrics: web.AppRunner | None = None
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.pending: set[tuple[str, str]] = set()
 
@@ -71,8 +84,11 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.startup(registry=registry)
-    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)
+        if options.metrics_port is not None:
+            # Here rather than at login: a port already taken stops the operator at once.
+            state.metrics = await serve_metrics(state.registry, options.metrics_port)
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -82,12 +98,19 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         if info is not None:
             if state.kube is None:
                 state.kube = Kube(info)
+                state.autoscaler = ClusterAutoscaler(
+                    state.kube, options.autoscale_period_s, registry=state.registry
+                )
             else:
                 state.kube.update(info)
         return info
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        if state.metrics is not None:
+            await state.metrics.cleanup()
+        if state.autoscaler is not None:
+            await state.autoscaler.close()
         if state.kube is not None:
             await state.kube.close()
 
@@ -121,6 +144,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         # the spec does, and a new spec is a new reconcile.
         if outcome.error is not None and outcome.error[0] == "ApplyFailed":
             raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
+        if outcome.error is None and state.autoscaler is not None:
+            state.autoscaler.watch(latest)
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
@@ -153,6 +178,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     async def delete_children(body: kopf.Body, logger: Any, **_: Any) -> None:
         meta = body["metadata"]
         namespace = meta.get("namespace", "default")
+        if state.autoscaler is not None:
+            state.autoscaler.forget(namespace, meta["name"])
         if state.kube is None:
             return
         for api_version, kind in OWNED_KINDS:
@@ -163,6 +190,21 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         logger.info(f"deleted the children of {meta['name']}")
 
     return registry
+
+
+async def serve_metrics(registry: CollectorRegistry, port: int) -> web.AppRunner:
+    """Serve `registry` at http://0.0.0.0:`port`/metrics until cleaned up."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
 
 
 def _owner_name(body: kopf.Body) -> str | None:

@@ -16,6 +16,9 @@ import kopf
 from tidegate.operator.spec import API_VERSION, KIND, PLURAL
 
 FIELD_MANAGER = "tidegate-operator"
+# The operator's autoscaler sets an autoscaled pool's spec.replicas under its own field
+# manager: the reconcile's applies leave that field out, and neither undoes the other.
+AUTOSCALER_FIELD_MANAGER = "tidegate-autoscaler"
 # How long a replaced connection stays open for the calls already using it.
 _OLD_SESSION_GRACE_S = 60.0
 
@@ -30,8 +33,14 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
-# ... and of every kind it reads or writes: those, and the LLMDeployment itself.
-KINDS: dict[tuple[str, str], str] = {**OWNED_KINDS, (API_VERSION, KIND): PLURAL}
+# ... and of every kind it reads or writes: those, the LLMDeployment itself, and for the
+# autoscaler the pools' pods (read, and annotated with a deletion cost) and Events.
+KINDS: dict[tuple[str, str], str] = {
+    **OWNED_KINDS,
+    (API_VERSION, KIND): PLURAL,
+    ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
+}
 
 
 class KubeError(Exception):
@@ -138,15 +147,24 @@ class Kube:
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"])
         return await self._call("POST", path, obj, params={"fieldManager": FIELD_MANAGER}) or {}
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(
+        self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER
+    ) -> dict[str, Any]:
         """Server-side apply: we own exactly the fields we send, other managers keep theirs."""
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        params = {"fieldManager": field_manager, "force": "true"}
         return (
             await self._call("PATCH", path, obj, "application/apply-patch+yaml", params=params)
             or {}
         )
+
+    async def merge_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A JSON merge patch of an object (say, one annotation of a pod we do not own)."""
+        path = object_path(api_version, kind, namespace, name)
+        return await self._call("PATCH", path, patch, "application/merge-patch+json") or {}
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Delete an object; one that is already gone is fine."""

@@ -67,6 +67,10 @@ def _tuning_rows(tuning: Tuning) -> list[tuple[str, ...]]:
     return rows
 
 
+# Who sets an autoscaled pool's replicas, by spec.autoscaling.driver.
+DRIVERS = {"operator": "the operator", "keda": "KEDA", "hpa": "the HPA controller"}
+
+
 def _scaling_rows(spec: LLMDeploymentSpec) -> list[tuple[str, tuple[str, str, str]]]:
     """Each pool's replicas, and for an autoscaled one its policy, with what each value does."""
     policies = spec.autoscaling.policies() if spec.autoscaling else {}
@@ -100,8 +104,9 @@ def _policy_rows(
         if targets.latency_slo_s is not None
         else "off"
     )
+    driver = spec.autoscaling.driver if spec.autoscaling else "operator"
     return [
-        ("replicas", bounds, f"autoscaled, starts at {start}{zero}"),
+        ("replicas", bounds, f"autoscaled by {DRIVERS[driver]}, starts at {start}{zero}"),
         (
             "requestsPerReplica",
             f"{targets.requests_per_replica}" + (" (set)" if given else ""),

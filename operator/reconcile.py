@@ -1,6 +1,11 @@
 """Make the cluster match one LLMDeployment: apply what `render` says, drop what it no longer
 says, and report status. Level-based and idempotent: it reads the resource and its children
 each time, keeps no state of its own, and writes only what differs.
+
+An autoscaled pool's replicas belong to its driver: the reconcile sends `spec.replicas` only
+when it creates the Deployment (the starting replicas), and applies the rest of it without
+them, so that the autoscaler (field manager `tidegate-autoscaler`), KEDA or the HPA
+controller and the reconcile never undo each other.
 """
 
 from __future__ import annotations
@@ -11,15 +16,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
+from tidegate.operator.kube import (
+    AUTOSCALER_FIELD_MANAGER,
+    FIELD_MANAGER,
+    OWNED_KINDS,
+    Kube,
+    KubeError,
+)
 from tidegate.operator.labels import COMPONENT_LABEL, owned_labels
 from tidegate.operator.render import RenderOptions, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
 from tidegate.operator.tuning import TuningError
 
-# Status keys kopf keeps for itself; we neither compare nor overwrite them.
+# Status keys kopf and the autoscaler keep for themselves; the reconcile neither compares nor
+# overwrites them.
 KOPF_STATUS_KEY = "kopf"
+AUTOSCALING_STATUS_KEY = "autoscaling"
+OTHERS_STATUS_KEYS = {KOPF_STATUS_KEY, AUTOSCALING_STATUS_KEY}
 
 
 @dataclass
@@ -91,7 +105,7 @@ async def reconcile(
         effective = rendered.tuning.to_status()
         endpoint = rendered.endpoint
         try:
-            live = await _apply_all(kube, rendered.objects, outcome, logger)
+            live = await _apply_all(kube, rendered.objects, rendered.scaled, outcome, logger)
             await _delete_stale(kube, namespace, name, meta.get("uid"), rendered.objects, outcome)
         except KubeError as error:
             outcome.error = ("ApplyFailed", error.message)
@@ -99,13 +113,15 @@ async def reconcile(
         roles = [
             role_state(
                 obj["metadata"]["labels"][COMPONENT_LABEL],
-                obj["spec"]["replicas"],
+                _desired(obj, live.get(_key(obj)), rendered.scaled),
                 live.get(_key(obj)),
             )
             for obj in rendered.objects
             if obj["kind"] == "Deployment"
         ]
-    previous = {k: v for k, v in (resource.get("status") or {}).items() if k != KOPF_STATUS_KEY}
+    previous = {
+        k: v for k, v in (resource.get("status") or {}).items() if k not in OTHERS_STATUS_KEYS
+    }
     status = compute_status(
         generation=meta.get("generation"),
         roles=roles,
@@ -122,9 +138,46 @@ async def reconcile(
     return outcome
 
 
+def _desired(obj: Mapping[str, Any], live: Mapping[str, Any] | None, scaled: frozenset[str]) -> int:
+    """The replicas a rendered Deployment is to run: its driver's, once it has set them."""
+    rendered = obj["spec"]["replicas"]
+    if live is None or obj["metadata"]["name"] not in scaled:
+        return rendered
+    return (live.get("spec") or {}).get("replicas", rendered)
+
+
+def without_replicas(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A Deployment as the reconcile applies it once it exists when an autoscaler owns its
+    replicas: the same, less `spec.replicas`."""
+    spec = {key: value for key, value in obj["spec"].items() if key != "replicas"}
+    return {**obj, "spec": spec}
+
+
+def owns_replicas(live: Mapping[str, Any], manager: str, operation: str) -> bool:
+    """Whether the API server records `manager` as owning spec.replicas through `operation`."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == operation:
+            fields = entry.get("fieldsV1") or {}
+            if "f:replicas" in (fields.get("f:spec") or {}):
+                return True
+    return False
+
+
+def replicas_body(obj: Mapping[str, Any], replicas: int) -> dict[str, Any]:
+    """The smallest server-side apply body that sets a Deployment's replicas."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": {"replicas": replicas},
+    }
+
+
 async def _apply_all(
     kube: Kube,
     objects: list[dict[str, Any]],
+    scaled: frozenset[str],
     outcome: Outcome,
     logger: logging.Logger | logging.LoggerAdapter,
 ) -> dict[str, dict[str, Any]]:
@@ -144,7 +197,21 @@ async def _apply_all(
                 live = await kube.get(
                     obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]
                 )
-        if live is not None and not is_subset(obj, live):
+            else:
+                live_objects[_key(obj)] = live or obj
+                continue
+        handoff = False
+        if live is not None and obj["kind"] == "Deployment" and meta["name"] in scaled:
+            obj = without_replicas(obj)
+            handoff = owns_replicas(live, FIELD_MANAGER, "Apply")
+            if handoff:
+                # The pool was fixed until now: our earlier applies own its replicas, and an
+                # apply without them would have the API server drop the field (back to 1).
+                # Hand them to the autoscaler's field manager at their live value, then give
+                # them up with an apply that leaves them out.
+                live_replicas = (live.get("spec") or {}).get("replicas", 1)
+                await kube.apply(replicas_body(obj, live_replicas), AUTOSCALER_FIELD_MANAGER)
+        if live is not None and (handoff or not is_subset(obj, live)):
             live = await kube.apply(obj)
             outcome.applied.append(_key(obj))
             logger.info(f"updated {_key(obj)}")

@@ -13,7 +13,10 @@ NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods'
 Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
 that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
 commented with its reason. With `autoscaling.driver` keda or hpa, each autoscaled pool also
-gets a KEDA ScaledObject or an HPA (`operator/render_scalers.py`).
+gets a KEDA ScaledObject or an HPA (`operator/render_scalers.py`). An autoscaled pool's
+Deployment carries its starting replicas, for its creation only: its driver (the operator's
+autoscaler, KEDA or the HPA controller) sets them from then on, and `Rendered.scaled` names
+it so that the reconcile leaves them alone.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import yaml
 
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs, kv_port_layout
+from tidegate.operator.autoscaler import starting_replicas
 from tidegate.operator.labels import child_labels, selector_labels
 from tidegate.operator.render_scalers import scaler_objects
 from tidegate.operator.spec import (
@@ -82,6 +86,8 @@ class Rendered:
     tuning: Tuning
     endpoint: str
     spec: LLMDeploymentSpec
+    # Names of the Deployments whose spec.replicas an autoscaler sets once they exist.
+    scaled: frozenset[str] = frozenset()
 
 
 def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Rendered:
@@ -111,8 +117,13 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
     if behind_router:
         configs["router"] = _router_config(ctx)
     objects.append(ctx.config_map(configs))
+    policies = spec.autoscaling.policies() if spec.autoscaling else {}
+    scaled = set()
     for role, role_tuning in tuning.roles.items():
         replicas = spec.topology.roles()[role].replicas
+        if role in policies:
+            replicas = starting_replicas(policies[role], replicas)
+            scaled.add(deployment_name(ctx.name, role))
         objects.append(ctx.engine_deployment(role, role_tuning, replicas, configs[role]))
     if not behind_router:
         objects.append(ctx.service(ctx.name, "unified", spec.service.port, headless=False))
@@ -128,7 +139,18 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
         if spec.topology.mode == "disaggregated":
             objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
     objects += scaler_objects(spec, ctx.name, ctx.namespace, ctx.metadata)
-    return Rendered(objects=objects, tuning=tuning, endpoint=endpoint_of(resource), spec=spec)
+    return Rendered(
+        objects=objects,
+        tuning=tuning,
+        endpoint=endpoint_of(resource),
+        spec=spec,
+        scaled=frozenset(scaled),
+    )
+
+
+def deployment_name(name: str, role: str) -> str:
+    """The Deployment of a role's pool: `<name>` for unified, `<name>-<role>` otherwise."""
+    return name if role == "unified" else f"{name}-{role}"
 
 
 def endpoint_of(resource: dict[str, Any]) -> str:
@@ -374,7 +396,7 @@ class _Context:
     def engine_deployment(
         self, role: str, tuning: RoleTuning, replicas: int, config: str
     ) -> dict[str, Any]:
-        name = self.name if role == "unified" else f"{self.name}-{role}"
+        name = deployment_name(self.name, role)
         container = self.container(role, ["serve", "--config", f"{CONFIG_DIR}/{role}.yaml"])
         resources = self.engine_resources(tuning)
         if resources:

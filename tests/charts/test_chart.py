@@ -34,8 +34,9 @@ import yaml
 
 from tidegate.cli import build_parser
 from tidegate.operator import handlers as operator_handlers
+from tidegate.operator.cluster_scaler import ClusterAutoscaler
 from tidegate.operator.kube import KINDS, OWNED_KINDS, Kube
-from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, PART_OF_LABEL
+from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, PART_OF_LABEL, selector_labels
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import DEFAULT_ENGINE_IMAGE, render
 from tidegate.operator.spec import API_VERSION, KIND
@@ -70,6 +71,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "fullname-override": {"fullnameOverride": "llm-ops"},
     "health-and-probes": {
         "health": {"port": 9090},
+        "operatorMetrics": {"port": 9102},
         "probes": {"startup": PROBE, "liveness": PROBE, "readiness": PROBE},
     },
     "resources-and-identity": {
@@ -118,6 +120,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "networkPolicy": {
             "enabled": True,
             "apiServer": {"cidrs": ["10.0.0.1/32", "fd00::1/128"], "ports": [6443]},
+            "metricsFrom": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    }
+                }
+            ],
         }
     },
     # Every hardening option at once: what checkov is also run on.
@@ -305,9 +314,13 @@ def test_operator_runs_tidegate_operator_with_flags_the_cli_accepts(
     assert parsed.command == "operator"
     assert (parsed.namespace or []) == values["watchNamespaces"]
     assert parsed.engine_image == (values["engineImage"] or DEFAULT_ENGINE_IMAGE)
-    # The probes call the endpoint the operator serves.
+    # The probes call the endpoint the operator serves, and the metrics port is its /metrics.
     port = int(re.fullmatch(r"http://0\.0\.0\.0:(\d+)/healthz", parsed.liveness).group(1))
-    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    assert parsed.metrics_port == values["operatorMetrics"]["port"]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": parsed.metrics_port, "protocol": "TCP"},
+    ]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
 
@@ -398,7 +411,9 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
     The story: an LLMDeployment is created (children created, status patched), switched from
     unified to disaggregated with an HPA per pool (the unified Deployment and PDB deleted as
     stale), someone edits every child (each applied back), the driver becomes KEDA (the HPAs
-    deleted, ScaledObjects created) and every child is edited again, then the resource is
+    deleted, ScaledObjects created) and every child is edited again, then the operator's own
+    autoscaler drives the pools (their pods and the router's listed and scraped, the pools
+    grown, then priced and shrunk, Events posted, status patched), then the resource is
     deleted (children listed, deleted).
     """
     kube = RecordingKube()
@@ -441,7 +456,28 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
         spec["autoscaling"] = {"driver": "keda", "prometheus": prometheus, **policies}
         await reconcile_resource(body=example, logger=logger)
         await edit_every_child()
+        await autoscale(spec, example["metadata"]["name"])
         await delete_children(body=kube.objects.pop(path), logger=logger)
+
+    async def autoscale(spec: dict[str, Any], name: str) -> None:
+        quick = {"maxReplicas": 2, "scaleDown": {"stabilizationWindowSeconds": 0}}
+        spec["autoscaling"] = {"prefill": quick, "decode": quick}
+        await reconcile_resource(body=example, logger=logger)
+        for role in ("prefill", "decode", "router"):
+            for index in (0, 1):
+                pod = _ready_pod(f"{name}-{role}-{index}", selector_labels(name, role))
+                kube.objects[f"/api/v1/namespaces/ml-serving/pods/{pod['metadata']['name']}"] = pod
+        load = {"running": 1000}  # over 256 (maxNumSeqs) per replica
+
+        async def fetch(url: str) -> str:
+            return f"tidegate:num_requests_running {load['running']}\n"
+
+        now = [1000.0]
+        autoscaler = ClusterAutoscaler(kube, fetch=fetch, clock=lambda: now[0])
+        await autoscaler.step(kube.objects[path])  # 1 -> 2 in each pool
+        load["running"], now[0] = 0, 2000.0
+        await autoscaler.step(kube.objects[path])  # priced, then 2 -> 1
+        await autoscaler.close()
 
     asyncio.run(story())
     rules = {_rule_of(method, p) for method, p in kube.requests}
@@ -449,6 +485,18 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
         verbs = {verb for _, resource, verb in rules if resource == plural}
         assert verbs == {"get", "list", "create", "patch", "delete"}, f"{plural}: {verbs}"
     return rules
+
+
+def _ready_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml-serving", "labels": labels},
+        "spec": {
+            "containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}]
+        },
+        "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
 
 
 def kopf_needs(namespaced: bool) -> set[Rule]:
@@ -679,7 +727,7 @@ def test_pod_monitor_scrapes_the_engines_not_the_operator(chart: helm.Chart) -> 
     assert not matches(selector, operator["spec"]["template"]["metadata"]["labels"])
 
 
-def test_network_policy_lets_the_operator_reach_only_dns_and_the_api_server(
+def test_network_policy_lets_the_operator_reach_only_dns_the_api_server_and_engines(
     chart: helm.Chart,
 ) -> None:
     objects = objects_of(render_chart(chart, SCENARIOS["network-policy"]))
@@ -689,11 +737,24 @@ def test_network_policy_lets_the_operator_reach_only_dns_and_the_api_server(
         policy["spec"]["podSelector"]["matchLabels"],
         operator["spec"]["template"]["metadata"]["labels"],
     )
-    assert policy["spec"]["ingress"] == []
-    dns, api = policy["spec"]["egress"]
+    dns, api, engines = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert api["ports"] == [{"protocol": "TCP", "port": 6443}]
     assert [peer["ipBlock"]["cidr"] for peer in api["to"]] == ["10.0.0.1/32", "fd00::1/128"]
+    # The autoscaler scrapes the port every engine and router container names http.
+    ports = {
+        p["containerPort"]
+        for d in by_kind(engine_objects(), "Deployment")
+        for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]
+        if p["name"] == "http"
+    }
+    assert engines["ports"] == [{"protocol": "TCP", "port": port} for port in ports]
+    # Only the peers named may scrape the operator's /metrics, on that port alone.
+    (scrape,) = policy["spec"]["ingress"]
+    assert scrape["from"] == SCENARIOS["network-policy"]["networkPolicy"]["metricsFrom"]
+    assert scrape["ports"] == [{"protocol": "TCP", "port": 8081}]
+    (hardened,) = by_kind(objects_of(render_chart(chart, SCENARIOS["hardened"])), "NetworkPolicy")
+    assert hardened["spec"]["ingress"] == []
 
 
 def test_notes_apply_the_repository_example_and_call_its_service(chart: helm.Chart) -> None:

@@ -31,6 +31,7 @@ _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 _RESOURCES = {
     "v1/namespaces": {"kind": "Namespace", "namespaced": False},
     "v1/events": {"kind": "Event", "namespaced": True},
+    "v1/pods": {"kind": "Pod", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
     "v1/services": {"kind": "Service", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True},
@@ -219,6 +220,17 @@ class EmulatedCluster:
                 continue
             out.append(f"{str(request.method).upper().split('.')[-1]} {path}")
         return out
+
+    def requests(self, method: str, path: str, *, since: int = 0) -> list[Any]:
+        """The operator's requests (ours excluded) of `method` to exactly `path`, oldest first:
+        each has `params` (the query) and `data` (the body)."""
+        return [
+            request
+            for request in list(self.emulator)[since:]
+            if str(request.method).upper().split(".")[-1] == method
+            and str(request.url.path) == path
+            and not request.headers.get("User-Agent", "").startswith("python-httpx")
+        ]
 
     def request_count(self) -> int:
         """How many requests the emulator has served; pass to writes(since=...)."""

@@ -26,6 +26,8 @@ from tests.operator.crd_validation import (
     structural_problems,
     version_schema,
 )
+from tidegate.operator.autoscaler import PoolSignals, ScalerState, decide, pool_targets
+from tidegate.operator.cluster_scaler import status_entry
 from tidegate.operator.spec import (
     API_VERSION,
     AUTOSCALING_ROLES_ONLY,
@@ -38,6 +40,7 @@ from tidegate.operator.spec import (
     UNIFIED_ROUTER_NEEDS_ZERO,
     VERSION,
     ZERO_NEEDS_ROUTER,
+    AutoscalingPolicy,
     LLMDeploymentSpec,
     SpecError,
     parse_spec,
@@ -148,6 +151,40 @@ def test_status_the_operator_writes_is_valid() -> None:
         '"Pending", "Progressing", "Ready", "Degraded"',
         _NOT_CHECKED,
     ]
+
+
+def test_status_the_autoscaler_writes_is_valid() -> None:
+    # What operator/cluster_scaler.py's status_entry returns, under status.autoscaling: a
+    # field the schema did not list would be pruned, and a restarted operator would find none.
+    policy = AutoscalingPolicy.model_validate({"minReplicas": 1, "maxReplicas": 8})
+    targets = pool_targets(policy, "decode", 16, 1000, 100)
+    signals = PoolSignals(ready=2, running=40, start_time_s=80.0)
+    decision = decide(policy, targets, signals, ScalerState(), 1_800_000_000.5)
+    entry = status_entry(decision, policy, 80.0, 1_800_000_000.5)
+    assert set(entry) >= {"desired", "current", "reason", "lastScaleTime", "recommendations"}
+    status = {"autoscaling": {"decode": entry}}
+    obj = resource(_spec({}), "llama")
+    assert VALIDATOR.validate_status({**obj, "status": status}) == []
+    assert _pruned(SCHEMA["properties"]["status"], status) == []
+
+
+def _pruned(schema: dict[str, Any], value: Any, path: str = "status") -> list[str]:
+    """Paths in `value` that the structural schema does not list (the API server drops them)."""
+    if isinstance(value, dict):
+        known = schema.get("properties")
+        if known is None:
+            extra = schema.get("additionalProperties")
+            if not isinstance(extra, dict):
+                return []
+            return [p for k, v in value.items() for p in _pruned(extra, v, f"{path}.{k}")]
+        return [
+            p
+            for k, v in value.items()
+            for p in (_pruned(known[k], v, f"{path}.{k}") if k in known else [f"{path}.{k}"])
+        ]
+    if isinstance(value, list):
+        return [p for v in value for p in _pruned(schema.get("items", {}), v, f"{path}[]")]
+    return []
 
 
 # -- examples ----------------------------------------------------------------------------------

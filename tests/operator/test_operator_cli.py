@@ -42,7 +42,7 @@ def test_plan_prints_objects_and_tuning_with_reasons(tmp_path: Path) -> None:
     # The pool's autoscaling policy, with what each value does.
     replicas_line = next(line for line in out.splitlines() if line.startswith("unified  replicas"))
     assert replicas_line.split()[:3] == ["unified", "replicas", "1-4"]
-    assert "autoscaled, starts at 2" in replicas_line
+    assert "autoscaled by the operator, starts at 2" in replicas_line
     assert "default: scheduling.maxNumSeqs" in out and "p90 TTFT <= 800 ms" in out
 
 
@@ -81,7 +81,7 @@ def test_plan_refuses_a_bad_manifest_with_the_field_named(tmp_path: Path) -> Non
 def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(tmp_path: Path) -> None:
     with EmulatedCluster(tmp_path) as cluster:
         cluster.create_namespace("ml")
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
         process = subprocess.Popen(
             [
@@ -93,6 +93,10 @@ def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(tmp_pa
                 f"http://127.0.0.1:{port}/healthz",
                 "--engine-image",
                 "example/engine:9",
+                "--metrics-port",
+                str(metrics_port),
+                "--autoscale-period",
+                "5",
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -106,6 +110,15 @@ def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(tmp_pa
                     return r.status == 200
 
             wait_for(lambda: _quietly(alive), timeout=60, what="the liveness endpoint")
+
+            def gauges() -> bytes:
+                url = f"http://127.0.0.1:{metrics_port}/metrics"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    return response.read()
+
+            # The autoscaler's gauges, on the port given.
+            text = wait_for(lambda: _quietly(gauges), timeout=30, what="the metrics endpoint")
+            assert b"# TYPE tidegate:autoscaler_desired_replicas gauge" in text
             (resource,) = [
                 d for d in yaml.safe_load_all((EXAMPLES / "unified-tiny.yaml").read_text()) if d
             ]

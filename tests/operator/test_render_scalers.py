@@ -350,6 +350,24 @@ def test_drivers_change_no_deployment(driver: str) -> None:
     assert bool(of_kind(driven, "HorizontalPodAutoscaler")) == (driver == "hpa")
 
 
+@pytest.mark.parametrize("driver", ["operator", "keda", "hpa"])
+def test_an_autoscaled_pool_starts_within_its_bounds_and_is_left_to_its_driver(
+    driver: str,
+) -> None:
+    """The rendered replicas are the pool's start; `scaled` tells the reconcile to send them
+    only when it creates the Deployment, whichever driver sets them afterwards."""
+    autoscaling = keda() if driver == "keda" else {"driver": driver}
+    spec = {
+        "model": model(),
+        "topology": disaggregated(prefill={"replicas": 1}, decode={"replicas": 9}),
+        "autoscaling": {**autoscaling, "prefill": {"minReplicas": 2, "maxReplicas": 4}},
+    }
+    rendered = render_spec(spec)
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments(rendered)}
+    assert replicas == {"llm-prefill": 2, "llm-decode": 9, "llm-router": 1}
+    assert rendered.scaled == {"llm-prefill"}
+
+
 # --- a unified pool that may reach zero, behind a router --------------------------------------
 
 ZERO = {"unified": {"minReplicas": 0, "maxReplicas": 4}}
@@ -439,3 +457,4 @@ def test_plan_lists_the_scaler_and_the_router() -> None:
         ("Service", "llm-unified"),
     ]:
         assert any(line.split()[:2] == [kind, name] for line in table.splitlines()), table
+    assert "autoscaled by KEDA, starts at 1" in table

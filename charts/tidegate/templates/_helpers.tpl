@@ -102,7 +102,13 @@ operator's code and compares.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# kopf posts warnings and errors about a resource as core/v1 Events.
+# The autoscaler (driver operator) lists a pool's pods to scrape their /metrics, and
+# annotates them with controller.kubernetes.io/pod-deletion-cost before a scale-down.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "patch"]
+# kopf posts warnings and errors about a resource, and the autoscaler its Scaled events, as
+# core/v1 Events.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
