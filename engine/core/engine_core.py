@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import msgspec
 
 from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
@@ -135,9 +136,7 @@ class EngineCore:
         # Async scheduling: steps started and not yet applied, oldest first, each with its
         # mix of decodes and prompt tokens (for the chunk tuner), and when the last one
         # applied had its result (a step runs from then, or from its start, to its result).
-        self._in_flight: deque[
-            tuple[SchedulerOutput, tuple[int, int], Future[ModelRunnerOutput]]
-        ] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, StepMix, Future[ModelRunnerOutput]]] = deque()
         self._last_result_time = 0.0
         # KV events arrive on the connector's thread; the loop applies them between steps.
         self._kv_events: queue.SimpleQueue[KVEvent] = queue.SimpleQueue()

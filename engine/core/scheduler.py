@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from tidegate.engine.core.chunk_tuner import ChunkSizeTuner
+from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_pairs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
@@ -62,7 +62,7 @@ class Scheduler:
         if limits.adaptive_chunking:
             self.chunk_tuner = ChunkSizeTuner(self.block_size, limits.max_num_batched_tokens)
         # (decodes, prompt tokens) of the last planned step, for the chunk tuner.
-        self._last_mix = (0, 0)
+        self._last_mix = StepMix(0)
         self.num_preemptions = 0
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
@@ -110,10 +110,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones, within the budget."""
-        threshold = None
+        budget = StepBudget(self.limits)
         if self.chunk_tuner is not None:
-            threshold = self.chunk_tuner.threshold(sum(map(_is_decoding, self.running)))
-        budget = StepBudget(self.limits, threshold)
+            # Each prompt's chunk sized for its depth: deeper chunks attend to more keys.
+            tuner, num_decodes = self.chunk_tuner, sum(map(_is_decoding, self.running))
+            budget = StepBudget(
+                self.limits,
+                tuner.threshold(num_decodes),
+                cap=lambda context: tuner.threshold(num_decodes, context),
+            )
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -131,15 +136,16 @@ class Scheduler:
         return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
 
     @property
-    def last_mix(self) -> tuple[int, int]:
-        """(decodes, prompt tokens) of the last planned step."""
+    def last_mix(self) -> StepMix:
+        """Decodes, prompt tokens and their attention's (token, key) pairs of the last planned
+        step."""
         return self._last_mix
 
-    def record_step_time(self, seconds: float, mix: tuple[int, int] | None = None) -> None:
+    def record_step_time(self, seconds: float, mix: StepMix | None = None) -> None:
         """How long a step took to execute (teaches the chunk tuner): the last planned one,
         or (async scheduling, where a later one is planned by then) the one of `mix`."""
         if self.chunk_tuner is not None:
-            self.chunk_tuner.observe(*(mix or self._last_mix), seconds)
+            self.chunk_tuner.observe(mix or self._last_mix, seconds)
 
     def _schedule_running(
         self,
@@ -208,12 +214,14 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         if self.chunk_tuner is not None:  # only the tuner needs the step's mix
-            num_decodes = sum(
-                1
-                for req_id, num in scheduled.items()
-                if num == 1 and _is_decoding(self.requests[req_id])
-            )
-            self._last_mix = (num_decodes, total - num_decodes)
+            num_decodes = pairs = 0
+            for req_id, num in scheduled.items():
+                request = self.requests[req_id]
+                if num == 1 and _is_decoding(request):
+                    num_decodes += 1
+                else:
+                    pairs += chunk_pairs(request.num_computed_tokens, num)
+            self._last_mix = StepMix(num_decodes, total - num_decodes, pairs)
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
             request = self.requests[req_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidegate.engine.core.request import Request
@@ -31,10 +32,17 @@ class StepBudget:
     lets short prompts that finish in one step overtake a long prompt's chunks.
     """
 
-    def __init__(self, limits: StepLimits, threshold: int | None = None) -> None:
+    def __init__(
+        self,
+        limits: StepLimits,
+        threshold: int | None = None,
+        cap: Callable[[int], int] | None = None,
+    ) -> None:
         self.limits = limits
-        # This step's per-request cap: the fixed one, or what the chunk tuner says now.
+        # This step's per-request cap: the fixed one, or what the chunk tuner says now for a
+        # prompt's first chunk; `cap`, when given, says it for a request this many tokens in.
         self.threshold = limits.long_prefill_token_threshold if threshold is None else threshold
+        self._cap = cap
         self.tokens_left = limits.max_num_batched_tokens
         self.num_partial = 0
         self.num_long_partial = 0
@@ -46,8 +54,9 @@ class StepBudget:
     def tokens_for(self, request: Request, num_computed_tokens: int) -> int:
         """How many tokens this request may compute now (0 when the budget is spent)."""
         num_new = request.num_tokens_with_placeholders - num_computed_tokens
-        if self.threshold > 0:
-            num_new = min(num_new, self.threshold)
+        threshold = self.threshold if self._cap is None else self._cap(num_computed_tokens)
+        if threshold > 0:
+            num_new = min(num_new, threshold)
         # Never compute past the model's context: a request at the limit is finished first.
         num_new = min(num_new, self.limits.max_model_len - num_computed_tokens)
         return max(0, min(num_new, self.tokens_left))

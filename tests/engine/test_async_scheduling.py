@@ -255,9 +255,9 @@ def test_the_chunk_tuner_learns_each_step_with_its_own_mix(tiny_llama_dir):
     observed, planned = [], []
     original_observe, original_schedule = tuner.observe, core.scheduler.schedule
 
-    def observe(num_decodes, num_prefill_tokens, seconds):
-        observed.append((num_decodes, num_prefill_tokens))
-        original_observe(num_decodes, num_prefill_tokens, seconds)
+    def observe(mix, seconds):
+        observed.append(mix)
+        original_observe(mix, seconds)
 
     def schedule():
         so = original_schedule()
@@ -277,5 +277,7 @@ def test_the_chunk_tuner_learns_each_step_with_its_own_mix(tiny_llama_dir):
     ]
     run(core, plan)
     # Empty plans (only finished ids for the runner) teach the tuner nothing.
-    assert [mix for mix in observed if mix != (0, 0)] == planned and len(planned) > 8
-    assert any(decodes and prompt for decodes, prompt in planned)  # mixed steps among them
+    assert [mix for mix in observed if mix != (0, 0, 0)] == planned and len(planned) > 8
+    assert any(mix.decodes and mix.prefill_tokens for mix in planned)  # mixed steps among them
+    # Each prompt token attends to itself at least: a chunk has as many pairs as tokens or more.
+    assert all(mix.prefill_pairs >= mix.prefill_tokens for mix in planned)

@@ -1,43 +1,96 @@
-"""The adaptive chunk size learns step costs and keeps mixed steps near decode-only ones."""
+"""The adaptive chunk size learns step costs and keeps mixed steps near decode-only ones,
+however deep into its prompt a chunk is."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.engine.test_scheduler import make_request, make_scheduler, step
-from tidegate.engine.core.chunk_tuner import ChunkSizeTuner
+from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_pairs
 
 
-def step_seconds(num_decodes: int, num_prefill: int) -> float:
-    """A made-up machine: 20 ms per step, 2 ms per decode, 0.1 ms per prompt token."""
-    return 0.020 + 0.002 * num_decodes + 0.0001 * num_prefill
+def step_seconds(mix: StepMix) -> float:
+    """A made-up machine: 20 ms per step, 2 ms per decode, 0.05 ms per prompt token and 20 ns
+    per (token, key) pair of the prompt tokens' attention."""
+    return 0.020 + 0.002 * mix.decodes + 0.00005 * mix.prefill_tokens + 2e-8 * mix.prefill_pairs
+
+
+def chunk_mix(decodes: int, context: int, tokens: int) -> StepMix:
+    return StepMix(decodes, tokens, chunk_pairs(context, tokens))
+
+
+def learned_tuner(rng: random.Random, depths: list[int]) -> ChunkSizeTuner:
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048, slack=0.5)
+    for _ in range(50):
+        d = rng.randint(1, 32)
+        tuner.observe(StepMix(d), step_seconds(StepMix(d)) * rng.uniform(0.97, 1.03))
+    for context in depths:
+        mix = chunk_mix(16, context, rng.choice([64, 128, 256]))
+        tuner.observe(mix, step_seconds(mix) * rng.uniform(0.97, 1.03))
+    return tuner
+
+
+def test_chunk_pairs_count_each_tokens_keys_up_to_itself():
+    assert chunk_pairs(0, 1) == 1
+    assert chunk_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert chunk_pairs(100, 2) == 101 + 102
 
 
 def test_before_learning_it_takes_a_small_first_chunk_and_no_cap_without_decodes():
     tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
     assert tuner.threshold(num_decodes=0) == 0
     assert tuner.threshold(num_decodes=8) == 64
+    assert tuner.threshold(num_decodes=8, context=5000) == 64
 
 
-def test_learned_chunk_keeps_a_mixed_step_within_one_and_a_half_decode_steps():
-    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048, slack=0.5)
-    rng = random.Random(0)
-    for _ in range(50):
-        d = rng.randint(1, 32)
-        tuner.observe(d, 0, step_seconds(d, 0) * rng.uniform(0.97, 1.03))
+@pytest.mark.parametrize("context", [0, 1000, 3000, 8000])
+def test_learned_chunk_keeps_a_mixed_step_within_one_and_a_half_decode_steps_at_any_depth(context):
+    rng = random.Random(context)
+    tuner = learned_tuner(rng, [rng.randint(0, 4000) for _ in range(30)])
+
+    chunk = tuner.threshold(16, context)
+
+    assert chunk % 16 == 0 or chunk < 16
+    base = step_seconds(StepMix(16))  # 52 ms
+    assert step_seconds(chunk_mix(16, context, chunk)) <= 1.5 * base * 1.05
+    # ... and uses most of what it may: one block more would break the bound.
+    assert chunk < 16 or step_seconds(chunk_mix(16, context, chunk + 16)) > 1.5 * base * 0.95
+
+
+def test_deep_into_a_long_prompt_a_chunk_may_be_less_than_a_block_but_never_nothing():
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    tuner.observe(StepMix(16), 0.030)
+    tuner.token_cost, tuner.pair_cost = 1e-4, 1e-7
+    # The slack buys 15 ms; 9,000 keys deep a token costs 1 ms, so a block (16 ms) is too much.
+    assert tuner.threshold(16, 9000) == 14
+    assert tuner.threshold(16, 10**7) == 4  # a quarter of a block, the least it gives
+
+
+def test_deeper_chunks_are_smaller_and_fewer_decodes_make_them_smaller_too():
+    tuner = learned_tuner(random.Random(3), [random.Random(i).randint(0, 4000) for i in range(30)])
+    assert tuner.threshold(16, 0) > tuner.threshold(16, 2000) > tuner.threshold(16, 6000)
+    assert tuner.threshold(1, 0) < tuner.threshold(16, 0)
+    assert tuner.threshold(1000, 0) == 2048
+    assert tuner.pair_cost == pytest.approx(2e-8, rel=0.25)
+    assert tuner.token_cost == pytest.approx(5e-5, rel=0.25)
+
+
+def test_chunks_all_at_one_depth_put_the_cost_on_the_tokens():
+    # Every chunk the same size at the same depth: tokens and pairs are collinear, and the
+    # tuner falls back to a cost per token that prices those chunks right.
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    for _ in range(20):
+        tuner.observe(StepMix(16), step_seconds(StepMix(16)))
     for _ in range(10):
-        tuner.observe(16, 256, step_seconds(16, 256) * rng.uniform(0.97, 1.03))
-    chunk = tuner.threshold(16)
-    assert chunk % 16 == 0
-    # base(16) = 52 ms; half of it buys 260 prompt tokens at 0.1 ms each.
-    assert 224 <= chunk <= 288
-    assert step_seconds(16, chunk) <= 1.5 * step_seconds(16, 0) * 1.05
-    # Fewer decodes make a cheaper step, so the chunk shrinks with them.
-    assert tuner.threshold(1) < chunk
-    assert tuner.threshold(1000) == 2048
+        tuner.observe(chunk_mix(16, 0, 128), step_seconds(chunk_mix(16, 0, 128)))
+    assert tuner.pair_cost == 0
+    per_token = (step_seconds(chunk_mix(16, 0, 128)) - step_seconds(StepMix(16))) / 128
+    assert tuner.token_cost == pytest.approx(per_token)
 
 
-def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_any_decode():
+def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a_step_bound():
     scheduler = make_scheduler(max_num_batched_tokens=2048)
     scheduler.limits.adaptive_chunking = True
     scheduler.chunk_tuner = ChunkSizeTuner(scheduler.block_size, 2048)
@@ -45,18 +98,21 @@ def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_any_decode():
     for request in decoders:
         scheduler.add_request(request)
     for _ in range(30):
-        out = step(scheduler)
-        scheduler.record_step_time(step_seconds(*scheduler._last_mix))
-    scheduler.add_request(make_request("long", 3000, max_tokens=2, base=1000))
-    chunks = []
+        step(scheduler)
+        scheduler.record_step_time(step_seconds(scheduler.last_mix))
+    scheduler.add_request(make_request("long", 4000, max_tokens=2, base=1000))
+    chunks, times = [], []
     while scheduler.requests["long"].num_output_tokens == 0:
         before = [r.num_output_tokens for r in decoders]
         out = step(scheduler)
-        scheduler.record_step_time(step_seconds(*scheduler._last_mix))
+        times.append(step_seconds(scheduler.last_mix))
+        scheduler.record_step_time(times[-1])
         chunks.append(out.num_scheduled_tokens.get("long", 0))
         assert [r.num_output_tokens for r in decoders] == [n + 1 for n in before]
-    assert sum(chunks) == 3000
-    # After the first (small) chunk taught it the cost, chunks stay near 0.5 * base / cost.
-    assert chunks[0] == 64
-    assert all(c <= 288 for c in chunks)
-    assert max(chunks) >= 192
+    assert sum(chunks) == 4000
+    assert chunks[0] == 64  # before it knows the cost: a small first chunk
+    # Once two chunks taught it both costs, no step goes past 1.5x a decode-only one, and the
+    # chunks shrink as the prompt's context grows.
+    base = step_seconds(StepMix(16))
+    assert max(times[2:]) <= 1.5 * base * 1.02
+    assert chunks[2] > chunks[-2] and chunks[-2] >= 16
