@@ -3,47 +3,88 @@
 With `--long-prefill-token-threshold auto` the scheduler asks this tuner, every step, how many
 prompt tokens a request may compute. The tuner learns from the step times it is shown:
 - decode-only steps fit base(d) = a + b*d, the time of a step with d decodes;
-- steps with prefill tokens fit what they cost beyond base(d) as c_token * p + c_pair * q, for
-  p prompt tokens whose attention covers q (token, key) pairs. A chunk deep into a long
-  prompt attends to all the keys before it, so its tokens cost more than the first chunk's:
-  a cost per token alone, learned from the chunks before, would undersize nothing at the
-  start and oversize every chunk after, as the context grows.
-A request `context` tokens into its prompt then gets the largest chunk p with
-c_token * p + c_pair * p * (context + p / 2) <= slack * base(d) (whole blocks, or down to a
-quarter of a block deep into a long prompt), so such a step takes at most (1 + slack) times a
-decode-only one: a long prompt never freezes the running streams,
-whatever the model, the hardware or the load. With no decode running there is nobody to
-protect and prompts take the whole token budget.
+- steps with prefill tokens fit what they cost beyond base(d) as
+  c_token * p + c_pair * q + c_key * k, for p prompt tokens whose attention covers q (token,
+  key) pairs and reads k keys (each chunk its context and itself). A chunk deep into a long
+  prompt attends to all the keys before it, so its tokens cost more than the first chunk's;
+  and a chunk of a few tokens still streams its whole context through the attention kernel
+  once, at about the price of a handful of tokens more. A cost per token alone would
+  oversize the chunks deep into a prompt; one per pair alone would undersize the small ones.
+A request `context` tokens into its prompt then gets the largest chunk p whose cost fits in
+slack * base(d) (whole blocks, or down to a quarter of a block deep into a long prompt, and
+at most twice the largest chunk measured lately: chunks grow step by step, each size measured
+before the next), so such a step takes at most (1 + slack) times a decode-only one: a long prompt never freezes
+the running streams, whatever the model, the hardware or the load. With no decode running
+there is nobody to protect and prompts take the whole token budget.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
 # A step may take this much longer than a decode-only step (0.5: up to 1.5x the gap).
 DEFAULT_SLACK = 0.5
-# Weight of the newest observation in the running estimates.
+# Weight of the newest observation in the decode-only estimate: it follows the load quickly.
 _LEARNING_RATE = 0.2
-# Steps with fewer prompt tokens say little about a prompt token's cost.
-_MIN_PREFILL_SAMPLE = 8
-# Below this, the two costs are too collinear in what was seen to be told apart (every chunk
-# at about the same size and depth): the cost is then put on the tokens alone.
+# ... and in the prefill costs': three costs need more than a handful of noisy steps to be
+# told apart (about the last 20 here), or the fit jumps from one term to another each step.
+_PREFILL_LEARNING_RATE = 0.05
+# Below this (the determinant of the costs' normalized normal equations), costs are too
+# collinear in what was seen to be told apart (every chunk at about the same size and
+# depth): fewer of them then carry the whole cost.
 _MIN_INDEPENDENCE = 1e-3
+# The costs a prefill step's excess is fitted with: per token, per pair, per key read.
+_COSTS = 3
 
 
 class StepMix(NamedTuple):
-    """What one step computed: decodes, prompt tokens, and the (token, key) pairs that the
-    prompt tokens' attention covers."""
+    """What one step computed: decodes, prompt tokens, the (token, key) pairs that the prompt
+    tokens' attention covers, and the keys their chunks read."""
 
     decodes: int
     prefill_tokens: int = 0
     prefill_pairs: int = 0
+    prefill_keys: int = 0
 
 
 def chunk_pairs(context: int, tokens: int) -> int:
     """(token, key) pairs of a chunk of `tokens` after `context` computed ones (causal)."""
     return tokens * context + tokens * (tokens + 1) // 2
+
+
+def chunk_keys(context: int, tokens: int) -> int:
+    """Keys a chunk of `tokens` after `context` computed ones reads: all of them, once."""
+    return context + tokens
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a x = b (Gaussian elimination, partial pivoting); None if `a` is singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if m[pivot][col] == 0.0:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def _determinant(a: list[list[float]]) -> float:
+    if len(a) == 1:
+        return a[0][0]
+    return sum(
+        (-1) ** j * a[0][j] * _determinant([row[:j] + row[j + 1 :] for row in a[1:]])
+        for j in range(len(a))
+    )
 
 
 class ChunkSizeTuner:
@@ -56,11 +97,19 @@ class ChunkSizeTuner:
         self.slack = slack
         # Exponentially weighted sums for the least-squares fit of base(d) = a + b*d.
         self._w = self._wd = self._wdd = self._wt = self._wdt = 0.0
-        # ... and for excess = c_token * p + c_pair * q (no intercept): sums of p*p, p*q, q*q,
-        # p*excess and q*excess.
-        self._pp = self._pq = self._qq = self._pe = self._qe = 0.0
+        # ... and for excess = c . (p, q, k) (no intercept): sums of f_i * f_j, f_i * excess
+        # and excess^2 over the prefill steps' features f = (tokens, pairs, keys).
+        self._ff = [[0.0] * _COSTS for _ in range(_COSTS)]
+        self._fe = [0.0] * _COSTS
+        self._ee = 0.0
         self.token_cost: float | None = None  # seconds per prompt token
         self.pair_cost = 0.0  # seconds per (token, key) pair of a prompt token's attention
+        self.key_cost = 0.0  # seconds per key a chunk reads
+        # The most prompt tokens a step carried lately (decaying): the fit is trusted up to
+        # twice that. Its few recent steps may not tell the costs apart (deep into a long
+        # prompt every chunk has the same size), and a cost put on the wrong term would
+        # size the next fresh prompt's chunk far beyond anything measured.
+        self._largest = 0.0
 
     def base(self, num_decodes: int) -> float | None:
         """Estimated seconds of a decode-only step with this many decodes."""
@@ -76,7 +125,7 @@ class ChunkSizeTuner:
     def observe(self, mix: StepMix, seconds: float) -> None:
         """Learn from one executed step."""
         keep = 1.0 - _LEARNING_RATE
-        decodes, tokens, pairs = mix
+        decodes, tokens, pairs, keys = mix
         if tokens == 0:
             if decodes == 0:
                 return
@@ -87,28 +136,55 @@ class ChunkSizeTuner:
             self._wdt = self._wdt * keep + decodes * seconds
             return
         base = self.base(decodes)
-        if base is None or tokens < _MIN_PREFILL_SAMPLE:
+        if base is None:
             return
+        # Every chunk teaches, however small: deep into a long prompt the chunks are a few
+        # tokens, and a tuner that stopped learning there would keep a stale cost.
         excess = max(0.0, seconds - base)
-        p, q = float(tokens), float(pairs)
-        self._pp = self._pp * keep + p * p
-        self._pq = self._pq * keep + p * q
-        self._qq = self._qq * keep + q * q
-        self._pe = self._pe * keep + p * excess
-        self._qe = self._qe * keep + q * excess
-        self.token_cost, self.pair_cost = self._fit()
+        self._largest = max(float(tokens), self._largest * keep)
+        keep = 1.0 - _PREFILL_LEARNING_RATE
+        features = (float(tokens), float(pairs), float(keys))
+        for i, fi in enumerate(features):
+            for j, fj in enumerate(features):
+                self._ff[i][j] = self._ff[i][j] * keep + fi * fj
+            self._fe[i] = self._fe[i] * keep + fi * excess
+        self._ee = self._ee * keep + excess * excess
+        self.token_cost, self.pair_cost, self.key_cost = self._fit()
 
-    def _fit(self) -> tuple[float, float]:
-        """(c_token, c_pair) by least squares, both >= 0."""
-        det = self._pp * self._qq - self._pq**2
-        if self._qq > 0.0 and det > _MIN_INDEPENDENCE * self._pp * self._qq:
-            c_token = (self._pe * self._qq - self._qe * self._pq) / det
-            c_pair = (self._qe * self._pp - self._pe * self._pq) / det
-            if c_token >= 0.0 and c_pair >= 0.0:
-                return c_token, c_pair
-            if c_token < 0.0:  # the pairs explain it all
-                return 0.0, max(0.0, self._qe / self._qq)
-        return max(0.0, self._pe / self._pp), 0.0
+    def _fit(self) -> tuple[float, float, float]:
+        """(c_token, c_pair, c_key) by least squares, all >= 0: of the subsets of the costs
+        that can be told apart in what was seen and fit with no negative one, the one that
+        leaves the least unexplained (the per-token cost alone on a tie)."""
+        best, best_residual = [0.0] * _COSTS, math.inf
+        subsets = [
+            s for n in range(1, _COSTS + 1) for s in itertools.combinations(range(_COSTS), n)
+        ]
+        for subset in subsets:
+            a = [[self._ff[i][j] for j in subset] for i in subset]
+            diagonal = math.prod(a[k][k] for k in range(len(subset)))
+            if diagonal <= 0.0 or _determinant(a) <= _MIN_INDEPENDENCE * diagonal:
+                continue
+            solution = _solve(a, [self._fe[i] for i in subset])
+            if solution is None or min(solution) < 0.0:
+                continue
+            # At the least-squares solution the residual is sum e^2 - c . (sum f e).
+            residual = self._ee - sum(
+                c * self._fe[i] for c, i in zip(solution, subset, strict=True)
+            )
+            if residual < best_residual - 1e-9 * max(self._ee, 1e-30):
+                best_residual = residual
+                best = [0.0] * _COSTS
+                for c, i in zip(solution, subset, strict=True):
+                    best[i] = c
+        return best[0], best[1], best[2]
+
+    def chunk_cost(self, context: int, tokens: int) -> float:
+        """Estimated seconds a chunk adds to a step (0 before anything is learned)."""
+        return (
+            (self.token_cost or 0.0) * tokens
+            + self.pair_cost * chunk_pairs(context, tokens)
+            + self.key_cost * chunk_keys(context, tokens)
+        )
 
     def threshold(self, num_decodes: int, context: int = 0) -> int:
         """Most prompt tokens a request `context` tokens into its prompt may compute in the
@@ -116,18 +192,23 @@ class ChunkSizeTuner:
         if num_decodes == 0:
             return 0
         base = self.base(num_decodes)
-        if base is None or self.token_cost is None or (not self.token_cost and not self.pair_cost):
+        learned = self.token_cost or self.pair_cost or self.key_cost
+        if base is None or self.token_cost is None or not learned:
             # Nothing learned yet: a small first chunk, which teaches the prompt-token cost.
             return min(self.max_tokens, 4 * self.block_size)
-        budget = self.slack * base
-        linear = self.token_cost + self.pair_cost * context
-        if self.pair_cost > 0.0:
-            # (pair_cost / 2) p^2 + linear p = budget, for its positive root.
+        # cost(p) = (c_pair / 2) p^2 + linear p + fixed, with
+        # pairs = p * context + p (p + 1) / 2 and keys = context + p.
+        budget = self.slack * base - self.key_cost * context
+        linear = self.token_cost + self.pair_cost * (context + 0.5) + self.key_cost
+        if budget <= 0.0:
+            tokens = 0.0
+        elif self.pair_cost > 0.0:
             half = self.pair_cost / 2
             tokens = (math.sqrt(linear * linear + 4 * half * budget) - linear) / (2 * half)
         else:
             tokens = budget / linear
-        tokens = int(min(tokens, self.max_tokens))
+        trusted = max(4 * self.block_size, 2 * self._largest)
+        tokens = int(min(tokens, trusted, self.max_tokens))
         if tokens >= self.block_size:
             return tokens - tokens % self.block_size  # whole blocks
         # Deep into a long prompt even one block of tokens may cost more than the slack: a

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_pairs
+from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
@@ -214,14 +214,15 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         if self.chunk_tuner is not None:  # only the tuner needs the step's mix
-            num_decodes = pairs = 0
+            num_decodes = pairs = keys = 0
             for req_id, num in scheduled.items():
                 request = self.requests[req_id]
                 if num == 1 and _is_decoding(request):
                     num_decodes += 1
                 else:
                     pairs += chunk_pairs(request.num_computed_tokens, num)
-            self._last_mix = StepMix(num_decodes, total - num_decodes, pairs)
+                    keys += chunk_keys(request.num_computed_tokens, num)
+            self._last_mix = StepMix(num_decodes, total - num_decodes, pairs, keys)
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
             request = self.requests[req_id]

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import pytest
 
 from tidegate.engine.config import EngineArgs
+from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
@@ -277,7 +278,7 @@ def test_the_chunk_tuner_learns_each_step_with_its_own_mix(tiny_llama_dir):
     ]
     run(core, plan)
     # Empty plans (only finished ids for the runner) teach the tuner nothing.
-    assert [mix for mix in observed if mix != (0, 0, 0)] == planned and len(planned) > 8
+    assert [mix for mix in observed if mix != StepMix(0)] == planned and len(planned) > 8
     assert any(mix.decodes and mix.prefill_tokens for mix in planned)  # mixed steps among them
     # Each prompt token attends to itself at least: a chunk has as many pairs as tokens or more.
     assert all(mix.prefill_pairs >= mix.prefill_tokens for mix in planned)

@@ -3,12 +3,13 @@ however deep into its prompt a chunk is."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from tests.engine.test_scheduler import make_request, make_scheduler, step
-from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_pairs
+from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
 
 
 def step_seconds(mix: StepMix) -> float:
@@ -29,6 +30,9 @@ def learned_tuner(rng: random.Random, depths: list[int]) -> ChunkSizeTuner:
     for context in depths:
         mix = chunk_mix(16, context, rng.choice([64, 128, 256]))
         tuner.observe(mix, step_seconds(mix) * rng.uniform(0.97, 1.03))
+    # A fresh prompt's 1,024-token chunk lately: the fit is trusted up to 2,048 tokens.
+    mix = chunk_mix(16, 0, 1024)
+    tuner.observe(mix, step_seconds(mix))
     return tuner
 
 
@@ -116,3 +120,87 @@ def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a
     base = step_seconds(StepMix(16))
     assert max(times[2:]) <= 1.5 * base * 1.02
     assert chunks[2] > chunks[-2] and chunks[-2] >= 16
+
+
+def streaming_step_seconds(mix: StepMix) -> float:
+    """The made-up machine above, where a chunk's attention also streams every key it reads
+    once (2 us a key), whatever its size: a few tokens deep into a long prompt cost about
+    what its context costs to read."""
+    return step_seconds(mix) + 2e-6 * mix.prefill_keys
+
+
+def streaming_chunk_mix(decodes: int, context: int, tokens: int) -> StepMix:
+    return StepMix(decodes, tokens, chunk_pairs(context, tokens), chunk_keys(context, tokens))
+
+
+def streaming_tuner(rng: random.Random) -> ChunkSizeTuner:
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048, slack=0.5)
+    for _ in range(50):
+        d = rng.randint(1, 32)
+        tuner.observe(StepMix(d), step_seconds(StepMix(d)) * rng.uniform(0.98, 1.02))
+    for _ in range(40):
+        mix = streaming_chunk_mix(16, rng.randint(0, 4000), rng.choice([4, 8, 16, 64, 256]))
+        tuner.observe(mix, streaming_step_seconds(mix) * rng.uniform(0.98, 1.02))
+    return tuner
+
+
+def test_it_learns_what_streaming_a_chunks_context_costs_apart_from_its_tokens():
+    tuner = streaming_tuner(random.Random(7))
+    assert tuner.key_cost == pytest.approx(2e-6, rel=0.25)
+    assert tuner.pair_cost == pytest.approx(2e-8, rel=0.25)
+    assert tuner.token_cost == pytest.approx(5e-5, rel=0.5)
+
+
+@pytest.mark.parametrize("context", [0, 1000, 3000, 6000])
+def test_with_a_cost_per_key_read_chunks_still_fill_but_keep_the_bound(context):
+    tuner = streaming_tuner(random.Random(context))
+    chunk = tuner.threshold(16, context)
+    base = step_seconds(StepMix(16))
+    assert streaming_step_seconds(streaming_chunk_mix(16, context, chunk)) <= 1.5 * base * 1.05
+    assert chunk < 16 or (
+        streaming_step_seconds(streaming_chunk_mix(16, context, chunk + 16)) > 1.5 * base * 0.95
+    )
+
+
+def test_a_context_too_long_to_read_within_the_slack_still_gets_the_smallest_chunk():
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    tuner.observe(StepMix(16), 0.030)
+    tuner.token_cost, tuner.pair_cost, tuner.key_cost = 1e-4, 1e-8, 1e-5
+    assert tuner.threshold(16, 1000) > 4  # reading 1,000 keys costs 10 ms of the 15
+    assert tuner.threshold(16, 2000) == 4  # 20 ms just to read them: progress, no more
+
+
+def test_it_keeps_learning_from_chunks_of_a_few_tokens():
+    # Deep into a long prompt the chunks are a few tokens. When those steps take longer than
+    # the tuner predicts (the machine got busier), it must learn it and shrink them.
+    tuner = streaming_tuner(random.Random(11))
+    mix = streaming_chunk_mix(16, 3000, 6)
+    before = tuner.chunk_cost(3000, 6)
+    base = tuner.base(16)
+    for _ in range(30):
+        tuner.observe(mix, base + 3 * before)
+    assert tuner.chunk_cost(3000, 6) == pytest.approx(3 * before, rel=0.1)
+    assert tuner.threshold(16, 3000) < streaming_tuner(random.Random(11)).threshold(16, 3000)
+
+
+def test_chunks_grow_no_faster_than_doubling_past_what_was_measured():
+    # Deep into a long prompt only 16-token chunks ran: tokens, pairs and keys are collinear
+    # there, so what a fresh prompt's large chunk costs is a guess. It gets at most twice
+    # the largest chunk measured lately, and grows as each size is measured.
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    for _ in range(20):
+        tuner.observe(StepMix(16), step_seconds(StepMix(16)))
+    for context in range(2000, 2400, 16):
+        mix = streaming_chunk_mix(16, context, 16)
+        tuner.observe(mix, streaming_step_seconds(mix))
+    sizes = []
+    context = 0
+    for _ in range(6):
+        chunk = tuner.threshold(16, context)
+        sizes.append(chunk)
+        mix = streaming_chunk_mix(16, context, chunk)
+        tuner.observe(mix, streaming_step_seconds(mix))
+        context += chunk
+    assert sizes[0] == 64  # four blocks: twice 16 would be less
+    assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))
+    assert sizes[-1] > sizes[0]
