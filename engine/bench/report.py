@@ -80,6 +80,23 @@ def summarize(records: list[RequestRecord], duration: float, slo: dict[str, floa
     return summary
 
 
+def steady_gaps(
+    records: list[RequestRecord], start: float, end: float
+) -> tuple[list[float], list[float]]:
+    """The steady streams' gaps between tokens that ended by `start`, and those that overlap
+    [start, end)."""
+    before, during = [], []
+    for record in records:
+        if record.group != "steady" or not record.ok:
+            continue
+        for previous, current in itertools.pairwise(record.chunk_times):
+            if current <= start:
+                before.append(current - previous)
+            elif previous < end:  # the gap overlaps the window
+                during.append(current - previous)
+    return before, during
+
+
 def arrival_windows(records: list[RequestRecord], events: dict[str, float]) -> dict:
     """Steady streams' gaps before the first long prompt, and while long prompts prefill.
 
@@ -92,14 +109,7 @@ def arrival_windows(records: list[RequestRecord], events: dict[str, float]) -> d
         return {}
     first_arrival = min(events.values())
     window_end = max((r.chunk_times[0] for r in longs), default=first_arrival)
-    before, during = [], []
-    for record in steady:
-        times = record.chunk_times
-        for previous, current in itertools.pairwise(times):
-            if current <= first_arrival:
-                before.append(current - previous)
-            elif previous < window_end:  # the gap overlaps the arrival window
-                during.append(current - previous)
+    before, during = steady_gaps(steady, first_arrival, window_end)
     result = {
         "window_s": [round(first_arrival, 3), round(window_end, 3)],
         "steady_itl_before_ms": percentiles(before),

@@ -31,7 +31,9 @@ def test_prefill_stall_compares_three_schedulers(tmp_path):
     for run in result["results"].values():
         assert run["failed"] == 0
         assert run["arrival"]["steady_itl_during_ms"]["count"] > 0
-    assert len(result["targets"]) == 3
+    assert len(result["targets"]) == 4
+    auto = result["results"]["unified, auto chunks"]["arrival"]
+    assert auto["steady_alone_itl_during_ms"]["count"] > 0
     assert "<!-- prefill-stall -->" in readme and "| phased |" in readme
 
 

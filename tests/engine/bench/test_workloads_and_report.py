@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tidegate.engine.bench.load import RequestRecord, arrival_times
-from tidegate.engine.bench.report import arrival_windows, parse_slo, percentiles, summarize
+from tidegate.engine.bench.report import (
+    arrival_windows,
+    parse_slo,
+    percentiles,
+    steady_gaps,
+    summarize,
+)
 from tidegate.engine.bench.workloads import (
     long_prompt_arrival_workload,
     parse_range,
@@ -65,3 +71,12 @@ def test_arrival_window_splits_steady_gaps_before_and_during_the_long_prefill():
     assert result["steady_itl_before_ms"]["count"] == 2  # gaps ending before 0.35 s
     # The 1 s gap that straddles the long prompt's prefill is "during".
     assert result["steady_itl_during_ms"]["p99"] == pytest.approx(1000.0)
+
+
+def test_steady_gaps_of_a_run_without_arrivals_over_another_runs_window():
+    # The streams alone: the window comes from the run with the long prompts.
+    alone = record("steady", 0.0, [0.1, 0.2, 0.3, 0.5, 0.8, 1.3, 1.4], 7)
+    stray = record("long", 0.0, [0.2, 0.9], 2)  # only steady streams count
+    before, during = steady_gaps([alone, stray], 0.35, 1.2)
+    assert before == pytest.approx([0.1, 0.1])
+    assert during == pytest.approx([0.2, 0.3, 0.5])  # gaps that overlap [0.35, 1.2)
