@@ -6,8 +6,9 @@ chunking, unified without a per-request threshold (a prompt takes the whole step
 and the phased baseline (whole prompts in steps of their own). Reported: p99 inter-token
 latency of the steady streams while the long prompts prefill, against their own baseline
 before the first arrival, and against the same streams run alone (no long prompt) over the
-same window: their contexts grow all through the window, and their decode steps with them,
-prefill or not, so the baseline before the arrivals understates what they would have had.
+same tokens (so the same contexts) of theirs as the window covered: their contexts grow all
+through the window, and their decode steps with them, prefill or not, so the baseline before
+the arrivals understates what they would have had.
 
     python benchmarks/prefill_stall.py            # writes results/prefill_stall.{json,png}
 """
@@ -25,7 +26,12 @@ from common import (
     write_result,
 )
 from tidegate.engine.bench.plot import plot_run
-from tidegate.engine.bench.report import percentiles, steady_gaps
+from tidegate.engine.bench.report import (
+    arrival_windows,
+    percentiles,
+    steady_gaps_in_span,
+    steady_span,
+)
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import Workload
 
@@ -50,7 +56,7 @@ def main() -> None:
         results[label] = {"flags": flags, **result}
         runs[label] = records
         print(f"{label:24s} {_p99s(result['arrival'])}", flush=True)
-    alone = _streams_alone(model, workload, results[AUTO]["arrival"].get("window_s"))
+    alone = _streams_alone(model, workload, runs[AUTO])
     results[AUTO]["arrival"].update(alone)
     print(f"{'streams alone':24s} {alone}", flush=True)
     targets = _targets(results)
@@ -94,19 +100,28 @@ def main() -> None:
     )
 
 
-def _streams_alone(model, workload: Workload, window: list[float] | None) -> dict:
+def _streams_alone(model, workload: Workload, records: list) -> dict:
     """The steady streams without the long prompts, on the auto server: their p99 over the
-    arrival window of the run with them, and the auto run's p99 against it."""
-    if not window:
+    tokens (so the contexts) that the auto run's streams decoded during its arrival window."""
+    window = records and arrival_window(records, workload)
+    span = window and steady_span(records, *window)
+    if not span:
         return {}
     steady = [r for r in workload.requests if r.group == "steady"]
     with tidegate_server(model, *CONFIGS[AUTO]) as server:
         server.wait_healthy()
         alone_workload = Workload(f"{workload.name}-alone", steady)
-        _, records = run_bench(server.base_url, "m", alone_workload, progress=False)
-    _, gaps = steady_gaps(records, *window)
-    alone = percentiles(gaps)
-    return {"steady_alone_itl_during_ms": alone}
+        _, alone = run_bench(server.base_url, "m", alone_workload, progress=False)
+    return {
+        "steady_tokens_during": list(span),
+        "steady_alone_itl_during_ms": percentiles(steady_gaps_in_span(alone, span)),
+    }
+
+
+def arrival_window(records: list, workload: Workload) -> tuple[float, float] | None:
+    """(start, end) of a run's arrival window, as `arrival_windows` reports it."""
+    window = arrival_windows(records, workload.events).get("window_s")
+    return tuple(window) if window else None
 
 
 def _p99_cells(arrival: dict) -> list[object]:
@@ -135,7 +150,7 @@ def _targets(results: dict) -> dict[str, object]:
         "auto: p99 during / before (target <= 1.5)": lookup(
             results, AUTO, "arrival", "p99_ratio_during_vs_before"
         ),
-        "auto: p99 during / the streams alone over the same window": (
+        "auto: p99 during / the streams alone over the same tokens": (
             round(auto / alone, 3) if auto and alone else None
         ),
         "no threshold p99 / auto p99 (target >= 3)": versus("unified, no threshold"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from tidegate.engine.bench.load import RequestRecord
 
@@ -80,21 +80,41 @@ def summarize(records: list[RequestRecord], duration: float, slo: dict[str, floa
     return summary
 
 
+def _steady_token_gaps(records: list[RequestRecord]) -> Iterator[tuple[int, float, float]]:
+    """(i, arrival of token i - 1, arrival of token i) for every steady stream's tokens."""
+    for record in records:
+        if record.group == "steady" and record.ok:
+            pairs = itertools.pairwise(record.chunk_times)
+            for i, (previous, current) in enumerate(pairs, start=1):
+                yield i, previous, current
+
+
 def steady_gaps(
     records: list[RequestRecord], start: float, end: float
 ) -> tuple[list[float], list[float]]:
     """The steady streams' gaps between tokens that ended by `start`, and those that overlap
     [start, end)."""
     before, during = [], []
-    for record in records:
-        if record.group != "steady" or not record.ok:
-            continue
-        for previous, current in itertools.pairwise(record.chunk_times):
-            if current <= start:
-                before.append(current - previous)
-            elif previous < end:  # the gap overlaps the window
-                during.append(current - previous)
+    for _, previous, current in _steady_token_gaps(records):
+        if current <= start:
+            before.append(current - previous)
+        elif previous < end:  # the gap overlaps the window
+            during.append(current - previous)
     return before, during
+
+
+def steady_span(records: list[RequestRecord], start: float, end: float) -> tuple[int, int] | None:
+    """The first and last token (by index in its stream) of a steady stream whose gap from
+    the token before overlaps [start, end): the span of the streams' contexts in a window."""
+    indices = [i for i, prev, cur in _steady_token_gaps(records) if cur > start and prev < end]
+    return (min(indices), max(indices)) if indices else None
+
+
+def steady_gaps_in_span(records: list[RequestRecord], span: tuple[int, int]) -> list[float]:
+    """The steady streams' gaps ending at tokens first..last of their streams (`steady_span`):
+    the same contexts in another run."""
+    first, last = span
+    return [cur - prev for i, prev, cur in _steady_token_gaps(records) if first <= i <= last]
 
 
 def arrival_windows(records: list[RequestRecord], events: dict[str, float]) -> dict:

@@ -10,6 +10,8 @@ from tidegate.engine.bench.report import (
     parse_slo,
     percentiles,
     steady_gaps,
+    steady_gaps_in_span,
+    steady_span,
     summarize,
 )
 from tidegate.engine.bench.workloads import (
@@ -80,3 +82,13 @@ def test_steady_gaps_of_a_run_without_arrivals_over_another_runs_window():
     before, during = steady_gaps([alone, stray], 0.35, 1.2)
     assert before == pytest.approx([0.1, 0.1])
     assert during == pytest.approx([0.2, 0.3, 0.5])  # gaps that overlap [0.35, 1.2)
+
+
+def test_the_streams_alone_are_compared_over_the_same_tokens_as_the_window():
+    # With the long prompts, only the gap before token 3 overlapped [0.35, 1.2).
+    steady = record("steady", 0.0, [0.1, 0.2, 0.3, 1.3, 1.4], 5)
+    assert steady_span([steady], 0.35, 1.2) == (3, 3)
+    assert steady_span([steady], 5.0, 6.0) is None
+    # Alone, the same stream ran faster: its tokens 2..3 are still the same contexts.
+    alone = record("steady", 0.0, [0.1, 0.15, 0.2, 0.26, 0.3], 5)
+    assert steady_gaps_in_span([alone], (2, 3)) == pytest.approx([0.05, 0.06])
