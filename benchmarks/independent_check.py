@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-from serving_vs_vllm import PEERS, vllm_server
+from serving_vs_vllm import PEER_PYTHON, PEERS, in_peer_env, vllm_server
 
 from common import (
     machine,
@@ -62,11 +61,12 @@ def vllm_client(base_url: str, model: Path, rate: float, num_prompts: int, seed:
             "p = FlexibleArgumentParser(); serve.add_cli_args(p); "
             "serve.main(p.parse_args(sys.argv[1:]))"
         )
-        python = PEERS / "vllm-venv" / "bin" / "python"
-        command = shlex.join([str(python), "-c", code, *args])
-        script = f"source {shlex.quote(str(PEERS / 'vllm-env.sh'))} && {command}"
         subprocess.run(
-            ["bash", "-c", script], check=True, cwd=tmp, timeout=1800, stdout=subprocess.DEVNULL
+            in_peer_env([str(PEER_PYTHON), "-c", code, *args]),
+            check=True,
+            cwd=tmp,
+            timeout=1800,
+            stdout=subprocess.DEVNULL,
         )
         return json.loads((Path(tmp) / "run.json").read_text())
 

@@ -26,12 +26,7 @@ from common import (
     write_result,
 )
 from tidegate.engine.bench.plot import plot_run
-from tidegate.engine.bench.report import (
-    arrival_windows,
-    percentiles,
-    steady_gaps_in_span,
-    steady_span,
-)
+from tidegate.engine.bench.report import percentiles, steady_gaps_in_span, steady_span
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import Workload
 
@@ -56,7 +51,7 @@ def main() -> None:
         results[label] = {"flags": flags, **result}
         runs[label] = records
         print(f"{label:24s} {_p99s(result['arrival'])}", flush=True)
-    alone = _streams_alone(model, workload, runs[AUTO])
+    alone = _streams_alone(model, workload, runs[AUTO], results[AUTO]["arrival"].get("window_s"))
     results[AUTO]["arrival"].update(alone)
     print(f"{'streams alone':24s} {alone}", flush=True)
     targets = _targets(results)
@@ -100,10 +95,9 @@ def main() -> None:
     )
 
 
-def _streams_alone(model, workload: Workload, records: list) -> dict:
+def _streams_alone(model, workload: Workload, records: list, window: list | None) -> dict:
     """The steady streams without the long prompts, on the auto server: their p99 over the
     tokens (so the contexts) that the auto run's streams decoded during its arrival window."""
-    window = records and arrival_window(records, workload)
     span = window and steady_span(records, *window)
     if not span:
         return {}
@@ -116,12 +110,6 @@ def _streams_alone(model, workload: Workload, records: list) -> dict:
         "steady_tokens_during": list(span),
         "steady_alone_itl_during_ms": percentiles(steady_gaps_in_span(alone, span)),
     }
-
-
-def arrival_window(records: list, workload: Workload) -> tuple[float, float] | None:
-    """(start, end) of a run's arrival window, as `arrival_windows` reports it."""
-    window = arrival_windows(records, workload.events).get("window_s")
-    return tuple(window) if window else None
 
 
 def _p99_cells(arrival: dict) -> list[object]:

