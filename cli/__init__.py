@@ -30,6 +30,9 @@ COMMANDS: dict[str, Command] = {
     "make-tiny-model": Command(
         _ENGINE, "write a random-weight model folder for tests", ("engine",)
     ),
+    "make-tiny-adapter": Command(
+        _ENGINE, "write a random LoRA adapter (PEFT folder) for a model folder", ("engine",)
+    ),
     "generate": Command(_ENGINE, "generate text offline from prompts", ("engine",)),
     "serve": Command(_ENGINE, "serve the OpenAI-compatible API", ("engine",)),
     "router": Command(

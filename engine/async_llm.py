@@ -238,10 +238,16 @@ class AsyncLLM:
         """The engine core for a request: by load, or by where its prefix blocks are."""
         if self.router.num_cores == 1:
             return 0
-        # The KV cache manager's own hashes (cache_salt included), so equal means cached.
+        # The KV cache manager's own hashes (cache_salt and adapter included), so equal means
+        # cached.
         block_hashes: list[bytes] = []
+        lora = request.lora_request
         append_block_hashes(
-            block_hashes, request.prompt_token_ids, self.block_size, request.cache_salt
+            block_hashes,
+            request.prompt_token_ids,
+            self.block_size,
+            request.cache_salt,
+            lora.digest if lora is not None else None,
         )
         return self.router.choose(block_hashes)
 

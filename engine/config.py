@@ -143,6 +143,27 @@ class EngineArgs(BaseModel):
         "tensor_parallel_size times data_parallel_size_local.",
     )
 
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters (PEFT folders) beside the base model; a request "
+        "selects one by its `model` name.",
+    )
+    max_loras: int = Field(
+        1,
+        ge=1,
+        description="LoRA: distinct adapters in one step (slots of stacked weights); requests "
+        "of more adapters wait their turn, first come first served among adapters.",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="LoRA: the largest adapter rank accepted."
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="LoRA: adapters each worker keeps loaded in host memory (least recently "
+        "used one dropped first); at least max_loras, which is the default.",
+    )
+
     cpu_allocator: CpuAllocator = Field(
         "auto",
         description="malloc of the engine-core and worker processes. auto: tcmalloc on CPU "
@@ -183,6 +204,11 @@ class EngineArgs(BaseModel):
                 f"distributed_executor_backend 'uni' runs one worker, in the engine core; "
                 f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' (one process "
                 "per rank)"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): every adapter of a step is also held in host memory"
             )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
@@ -265,6 +291,22 @@ class ServerArgs(TenancyArgs):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of all processes."
+    )
+    lora_modules: list[str] | None = Field(
+        None,
+        description="LoRA adapters served from start-up, as name=path (PEFT folders); needs "
+        "enable_lora.",
+    )
+    lora_modules_file: str | None = Field(
+        None,
+        description="YAML file listing adapters as [{name, path}] (a mounted ConfigMap); the "
+        "server re-reads it when it changes and loads or unloads adapters to serve exactly "
+        "those (plus lora_modules), without a restart. Needs enable_lora.",
+    )
+    allow_runtime_lora_updates: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "routes); needs an API key, since they read server paths.",
     )
 
 

@@ -6,7 +6,7 @@ import copy
 import time
 
 from tidegate.engine.kv_transfer.params import KVTransferParams
-from tidegate.engine.messages import EngineCoreRequest
+from tidegate.engine.messages import EngineCoreRequest, LoRARequest
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.sampling_params import SamplingParams
 from tidegate.engine.tokenizer import Tokenizer
@@ -47,6 +47,7 @@ class InputProcessor:
         params: SamplingParams,
         cache_salt: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """A request ready for an engine core, or a ValueError that says what is allowed."""
         token_ids = self.prompt_token_ids(prompt)
@@ -82,6 +83,7 @@ class InputProcessor:
             arrival_time=time.monotonic(),
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer.model_dump() if kv_transfer is not None else None,
+            lora_request=lora_request,
         )
 
     def check_prompt(self, token_ids: list[int]) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
+from tidegate.engine.lora.registry import LoRARegistry
+from tidegate.engine.messages import LoRARequest
 from tidegate.engine.output_processor import OutputProcessor
 from tidegate.engine.outputs import RequestOutput
 from tidegate.engine.sampling_params import SamplingParams
@@ -47,6 +49,15 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.loras = LoRARegistry(
+            self.engine.model_config, self.args.max_lora_rank, reserved_names=[model]
+        )
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Check a PEFT adapter folder and serve it under `name` (needs enable_lora)."""
+        if not self.args.enable_lora:
+            raise ValueError("this LLM was made without enable_lora=True; it serves no adapters")
+        return self.loras.load(name, path)
 
     def close(self) -> None:
         """Stop the worker processes, if any; idempotent."""
@@ -66,8 +77,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+
+        `lora_request` is an adapter from `load_lora` (or its name) for every prompt, or a
+        list with one per prompt (None: the base model).
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -84,10 +100,13 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
                     "give one, or one per prompt"
                 )
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         # Validate everything before queuing anything, so a bad prompt leaves nothing behind.
         requests = [
-            self.input_processor.process(f"offline-{next(self._ids)}", prompt, params, cache_salt)
-            for prompt, params in zip(prompts, params_list, strict=True)
+            self.input_processor.process(
+                f"offline-{next(self._ids)}", prompt, params, cache_salt, lora_request=lora
+            )
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True)
         ]
         order = {request.request_id: i for i, request in enumerate(requests)}
         for request, prompt in zip(requests, prompts, strict=True):
@@ -104,6 +123,24 @@ class LLM:
             self._abort([request.request_id for request in requests])
             raise
         return [r for r in results if r is not None]
+
+    def _loras_per_prompt(
+        self, lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None, count: int
+    ) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest | str):
+            loras = [lora] * count
+        else:
+            loras = list(lora)
+            if len(loras) != count:
+                raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+        resolved = []
+        for item in loras:
+            if item is not None and not self.args.enable_lora:
+                raise ValueError("this LLM was made without enable_lora=True")
+            if isinstance(item, str):
+                item = self.loras.require(item)
+            resolved.append(item)
+        return resolved
 
     def _step(self) -> list[RequestOutput]:
         outputs, to_abort = self.output_processor.process_outputs(self.engine.step())

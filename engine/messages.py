@@ -16,6 +16,22 @@ import msgspec
 
 from tidegate.engine.sampling_params import SamplingParams
 
+# -- LoRA adapters --------------------------------------------------------------------------
+
+
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
+    """The adapter a request runs under, as the API server's registry resolved its name."""
+
+    name: str
+    # Unique per load within one server: workers cache adapter weights by it, so an adapter
+    # unloaded and loaded again under the same name never reuses stale weights.
+    lora_id: int
+    path: str
+    # sha256 of the adapter's files: the prefix-cache key, so KV computed under one adapter's
+    # weights is never a hit for another (the same files under two names may share it).
+    digest: str
+
+
 # -- the scheduler/runner boundary --------------------------------------------------------
 
 
@@ -27,6 +43,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -111,6 +128,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Disaggregated serving: {"do_remote_decode": true} on a producer, or the producer's
     # answer (do_remote_prefill plus where the blocks are) on a consumer.
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -157,6 +175,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_transfer_fallbacks: int = 0  # pulls that failed; the prompt was computed locally
     # Seconds each pull completed since the last stats took (consumer).
     kv_transfer_latencies: list[float] = msgspec.field(default_factory=list)
+    # LoRA: adapter name -> requests running (or waiting) under it.
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -34,28 +34,48 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
-    """Extra keys of a request's block: its cache salt, on the first block only."""
-    # The salt only needs to enter the first block: chaining carries it to every later one,
-    # so two salts (or a salt and none) never share any block.
-    if block_index == 0 and cache_salt is not None:
+def block_extra_keys(
+    cache_salt: str | None, block_index: int, lora_digest: str | None = None
+) -> tuple | None:
+    """Extra keys of a request's block: its cache salt and its LoRA adapter's digest, on the
+    first block only."""
+    # They only need to enter the first block: chaining carries them to every later one, so
+    # two salts (or a salt and none), or two adapters (or one and the base model), never share
+    # any block. Without an adapter the key is the same as before adapters existed.
+    if block_index != 0:
+        return None
+    if lora_digest is not None:
+        return (cache_salt, ("lora", lora_digest))
+    if cache_salt is not None:
         return (cache_salt,)
     return None
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Append to `request.block_hashes` the hashes of its newly full blocks."""
-    append_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
+    lora = request.lora_request
+    append_block_hashes(
+        request.block_hashes,
+        request.all_token_ids,
+        block_size,
+        request.cache_salt,
+        lora.digest if lora is not None else None,
+    )
 
 
 def append_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    lora_digest: str | None = None,
 ) -> None:
     """Append to `hashes` those of the full blocks of `token_ids` that it does not hold yet."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[i - 1] if i > 0 else None
         tokens = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block_tokens(parent, tokens, block_extra_keys(cache_salt, i)))
+        extra = block_extra_keys(cache_salt, i, lora_digest)
+        hashes.append(hash_block_tokens(parent, tokens, extra))
 
 
 def _encode(value: object) -> bytes:

@@ -61,6 +61,7 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         max_model_len=max_model_len,
         phased=args.scheduling_policy == "phased",
         adaptive_chunking=adaptive,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
 
 

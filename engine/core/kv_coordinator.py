@@ -76,9 +76,15 @@ class KVTransferCoordinator:
         self._pins.add(Pin(transfer_id, request.request_id, len(block_ids), deadline))
         self._pin[transfer_id] = block_ids
         self._pin_of_request[request.request_id] = transfer_id
-        request.kv_transfer_params_out = self._connector.transfer_params(
+        params = self._connector.transfer_params(
             transfer_id, block_ids, prompt_digest(request.prompt_token_ids)
         )
+        if request.lora_request is not None:
+            # The adapter travels with the blocks: KV computed under it is only valid for a
+            # consumer request under the same weights.
+            params["lora_name"] = request.lora_request.name
+            params["lora_digest"] = request.lora_request.digest
+        request.kv_transfer_params_out = params
 
     def unpin(self, transfer_id: str) -> None:
         """A consumer read a pin's blocks: free them (a repeated notice is a no-op)."""
@@ -122,6 +128,13 @@ class KVTransferCoordinator:
             return f"producer blocks hold {params.remote_block_size} tokens, ours {block_size}"
         if params.prompt_digest != prompt_digest(request.prompt_token_ids):
             return "the producer tokenized a different prompt (tokenizer or template differ)"
+        ours = request.lora_request
+        if params.lora_digest != (ours.digest if ours is not None else None):
+            theirs = f"adapter {params.lora_name!r}" if params.lora_digest else "the base model"
+            mine = f"adapter {ours.name!r}" if ours is not None else "the base model"
+            return (
+                f"the producer computed the prompt under {theirs}, this request runs under {mine}"
+            )
         if len(params.remote_block_ids) < num_blocks:
             return f"producer named {len(params.remote_block_ids)} blocks; the prompt needs {num_blocks}"
         return ""

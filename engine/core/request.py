@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tidegate.engine.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
-from tidegate.engine.messages import EngineCoreRequest
+from tidegate.engine.messages import EngineCoreRequest, LoRARequest
 from tidegate.engine.sampling_params import SamplingParams
 
 
@@ -53,8 +53,10 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cache_salt = cache_salt
@@ -94,7 +96,13 @@ class Request:
             cache_salt=message.cache_salt,
             arrival_time=message.arrival_time,
             kv_transfer=parse_kv_transfer_params(message.kv_transfer_params),
+            lora_request=message.lora_request,
         )
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter this request runs under, or None for the base model."""
+        return self.lora_request.name if self.lora_request is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -244,14 +244,19 @@ class Scheduler:
         new_reqs: list[NewRequestData],
         cached_reqs: list[CachedRequestData],
     ) -> None:
-        """Admit waiting requests in order; a prompt that would exceed the partial limits waits."""
+        """Admit waiting requests in order; a prompt that would exceed the partial limits waits,
+        and so does one whose adapter would be one too many for a step (`max_loras`)."""
         skipped: list[Request] = []
+        adapters = _AdapterSlots(self.limits.max_loras, self.running)
         while self.waiting and budget.tokens_left > 0:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
+            if not adapters.admits(request):
+                skipped.append(self.waiting.popleft())
+                continue
             if self.kv_transfer.wants_pull(request):
                 parked = self._park_for_pull(request)
                 if parked is None:
@@ -308,10 +313,12 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=list(block_ids),
                         num_computed_tokens=num_cached,
+                        lora_request=request.lora_request,
                     )
                 )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            adapters.add(request)
             scheduled[request.request_id] = num_new
             budget.spend(num_new)
         # Skipped prompts keep their place at the front, in their original order.
@@ -492,7 +499,50 @@ class Scheduler:
             kv_received_bytes=self.kv_transfer.num_received_bytes,
             kv_transfer_fallbacks=self.kv_transfer.num_fallbacks,
             kv_transfer_latencies=self.kv_transfer.take_latencies() if take_latencies else [],
+            running_lora_adapters=_count_adapters(self.running),
+            waiting_lora_adapters=_count_adapters(self.waiting),
         )
+
+
+class _AdapterSlots:
+    """The LoRA adapters of one step, capped at max_loras, first come first served.
+
+    Every running request may compute in the next step, so the adapters of the running ones
+    hold slots. A waiting request whose adapter is not among them takes a free slot if there
+    is one; if not, it waits, and so does every later request of an adapter that is not
+    running yet, but also every later request of a running one: otherwise a busy adapter
+    would keep its slot forever and starve the one that asked first. Base-model requests use
+    no slot and pass.
+    """
+
+    def __init__(self, max_loras: int | None, running: list[Request]) -> None:
+        self.max_loras = max_loras
+        self.held = {r.lora_request.lora_id for r in running if r.lora_request is not None}
+        self.blocked = False
+
+    def admits(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        if self.blocked:
+            return False
+        if lora.lora_id in self.held or len(self.held) < self.max_loras:
+            return True
+        self.blocked = True  # the first to wait for a slot: nobody with an adapter overtakes
+        return False
+
+    def add(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.held.add(request.lora_request.lora_id)
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of these requests run under it."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+    return counts
 
 
 def _is_decoding(request: Request) -> bool:

@@ -22,6 +22,8 @@ class StepLimits:
     phased: bool = False
     # The per-request cap is learned online (ChunkSizeTuner) instead of fixed.
     adaptive_chunking: bool = False
+    # LoRA: distinct adapters among the running requests (None: adapters are off).
+    max_loras: int | None = None
 
 
 class StepBudget:

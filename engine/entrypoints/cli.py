@@ -1,4 +1,5 @@
-"""The engine's subcommands of `tidegate`: make-tiny-model, generate, serve, fetch-model.
+"""The engine's subcommands of `tidegate`: make-tiny-model, make-tiny-adapter, generate, serve,
+fetch-model.
 
 `tidegate.cli` imports this module only when one of these commands runs; each handler
 imports what its command needs when it runs, so `tidegate serve` loads neither the operator
@@ -20,6 +21,16 @@ def _make_tiny_model(ns: argparse.Namespace) -> int:
     from tidegate.engine.tiny_model import make_tiny_model
 
     path = make_tiny_model(ns.dir, arch=ns.arch, size=ns.size, seed=ns.seed)
+    print(path)
+    return 0
+
+
+def _make_tiny_adapter(ns: argparse.Namespace) -> int:
+    from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
+
+    path = make_tiny_adapter(
+        ns.model, ns.dir, rank=ns.rank, alpha=ns.alpha, seed=ns.seed, targets=ns.targets
+    )
     print(path)
     return 0
 
@@ -68,6 +79,20 @@ def add_make_tiny_model(parser: argparse.ArgumentParser, config: dict[str, Any] 
     parser.set_defaults(handler=_make_tiny_model)
 
 
+def add_make_tiny_adapter(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
+    from tidegate.engine.lora.adapter import TARGETS
+
+    parser.add_argument("model", help="the base model folder (tidegate make-tiny-model)")
+    parser.add_argument("dir", help="folder to write the adapter to")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--alpha", type=float, default=None, help="default: the rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--targets", nargs="+", choices=TARGETS, default=None, help="default: all seven"
+    )
+    parser.set_defaults(handler=_make_tiny_adapter)
+
+
 def add_generate(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
     add_engine_args(parser)
     parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -102,6 +127,7 @@ def add_fetch_model(parser: argparse.ArgumentParser, config: dict[str, Any] | No
 
 COMMANDS: dict[str, Callable[[argparse.ArgumentParser, dict[str, Any] | None], None]] = {
     "make-tiny-model": add_make_tiny_model,
+    "make-tiny-adapter": add_make_tiny_adapter,
     "generate": add_generate,
     "serve": add_serve,
     "fetch-model": add_fetch_model,

@@ -38,6 +38,9 @@ class RemotePrefill(BaseModel):
     remote_block_size: int = Field(ge=1)
     remote_tp_size: int = Field(ge=1)
     prompt_digest: str = Field(min_length=1, max_length=128)
+    # The LoRA adapter the producer computed the prompt under (None: the base model).
+    lora_name: str | None = Field(None, max_length=256)
+    lora_digest: str | None = Field(None, max_length=128)
 
 
 KVTransferParams = RemoteDecode | RemotePrefill

@@ -85,10 +85,15 @@ class SiluAndMul(nn.Module):
 
 
 def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias with the module's weight, packed (packed_linear.py) or plain."""
+    """x @ W.T + bias with the module's weight, packed (packed_linear.py) or plain, plus the
+    LoRA delta of each row's adapter when the engine serves adapters (engine/lora/)."""
     if module.packed is not None:
-        return packed_linear(x, module.packed, bias)
-    return F.linear(x, module.weight, bias)
+        out = packed_linear(x, module.packed, bias)
+    else:
+        out = F.linear(x, module.weight, bias)
+    if module.lora is not None:
+        module.lora(x, out)  # adds each row's adapter delta to out in place
+    return out
 
 
 class Linear(nn.Module):
@@ -98,6 +103,9 @@ class Linear(nn.Module):
         super().__init__()
         # The weight in oneDNN's layout once pack_linear_weights has run (CPU, bf16).
         self.packed: torch.Tensor | None = None
+        # The adapter slots (engine/lora/manager.py), when the engine serves LoRA adapters:
+        # set from above, so that models need not import the LoRA layer.
+        self.lora: nn.Module | None = None
         self.weight = _parameter(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -248,6 +256,7 @@ class LMHead(VocabEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed: torch.Tensor | None = None  # as Linear's
+        self.lora: nn.Module | None = None  # never adapted; _project reads it
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Use the embedding table as the output projection (tie_word_embeddings)."""

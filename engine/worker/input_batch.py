@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.messages import LoRARequest
 from tidegate.engine.sampling_params import SamplingParams
 
 # Rows the batch starts with; it doubles when more requests are held at once (running ones,
@@ -26,6 +27,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
 
 class PersistentBatch:

@@ -12,6 +12,7 @@ import torch
 from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
+from tidegate.engine.lora.manager import LoRAManager
 from tidegate.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
@@ -51,6 +52,17 @@ class ModelRunner:
         )
         # bf16 linears on CPU: oneDNN's layout once, not a reorder per call (bitwise equal).
         self.num_packed_linears = pack_linear_weights(self.model)
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            # Before compiling: the adapted linears' graph includes the LoRA op.
+            self.lora = LoRAManager(
+                self.model,
+                model_config,
+                max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras,
+                max_num_tokens=args.step_token_capacity(max_model_len),
+            )
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe
         )
@@ -174,6 +186,7 @@ class ModelRunner:
                 prompt_token_ids=new.prompt_token_ids,
                 sampling_params=params,
                 generator=generator,
+                lora_request=new.lora_request,
             )
         for cached in so.scheduled_cached_reqs:
             row = self.requests[cached.req_id].row
@@ -194,6 +207,8 @@ class ModelRunner:
         rows = np.fromiter((state.row for state in states), np.int64, len(states))
         num_scheduled = list(so.num_scheduled_tokens.values())
         step = self.inputs.build(self.batch, rows, num_scheduled)
+        if self.lora is not None:
+            self.lora.prepare([state.lora_request for state in states], num_scheduled)
         size = self.decode_graphs.size_for(num_scheduled) if self.decode_graphs else None
         if size is not None:
             hidden = self.decode_graphs.run(step, size)

@@ -42,6 +42,43 @@ def test_two_ranks_generate_the_tokens_of_one(model, request):
     assert hits_two == hits_one > 0
 
 
+def _generate_with_adapters(
+    model_dir: Path, adapters: list[Path], tensor_parallel_size: int
+) -> list[list[int]]:
+    """Every prompt under the base model and each adapter, in one mixed batch."""
+    with LLM(
+        str(model_dir),
+        tensor_parallel_size=tensor_parallel_size,
+        enable_lora=True,
+        max_loras=len(adapters),
+        **ENGINE,
+    ) as llm:
+        loras = [None] + [llm.load_lora(p.name, str(p)) for p in adapters]
+        prompts = [prompt for prompt in PROMPTS for _ in loras]
+        per_prompt = loras * len(PROMPTS)
+        outputs = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_two_ranks_serve_adapters_as_one_does(model, request, tmp_path):
+    """A and B are sliced as their base layers are: column-parallel q/k/v and gate/up keep
+    their rows of B, row-parallel o and down their columns of A (the all-reduce sums the
+    delta with the rest)."""
+    from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
+
+    model_dir = request.getfixturevalue(model)
+    adapters = [
+        make_tiny_adapter(model_dir, tmp_path / "all", rank=8, seed=1),
+        make_tiny_adapter(
+            model_dir, tmp_path / "some", rank=4, seed=2, targets=["k_proj", "o_proj", "up_proj"]
+        ),
+    ]
+    one = _generate_with_adapters(model_dir, adapters, 1)
+    assert _generate_with_adapters(model_dir, adapters, 2) == one
+    assert one[0] != one[1] != one[2]  # base, and each adapter, differ
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .* 4 attention"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, **ENGINE)
