@@ -9,6 +9,8 @@ has its own series: its SchedulerStats, and the requests it served, under `engin
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -144,6 +146,12 @@ class PrometheusMetrics:
             raise ValueError(f"compat is {compat!r}; allowed: 'none', 'vllm'")
         self.registry = CollectorRegistry()
         prefixes = ("tidegate:", "vllm:") if compat == "vllm" else ("tidegate:",)
+        self._prefixes = prefixes
+        # LoRA (enable_lora): vLLM's info gauge, and which adapters this server serves.
+        self._lora_info: list[Any] = []
+        self._lora_ready: Any = None
+        self._max_loras = 0
+        self._lora_by_engine: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
         self._model_name = model_name
         self._default_engine = engine_index
         # Metric name -> the same metric under each prefix.
@@ -212,6 +220,58 @@ class PrometheusMetrics:
             last_totals[name] = total
         if stats.num_batched_tokens > 0:
             self._observe("iteration_tokens_total", stats.num_batched_tokens, engine)
+        if self._lora_info:
+            self._lora_by_engine[engine] = (
+                stats.running_lora_adapters,
+                stats.waiting_lora_adapters,
+            )
+            self._record_lora_requests()
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def enable_lora(self, max_loras: int) -> None:
+        """Export the LoRA metrics: `lora_requests_info` (vLLM's) and `lora_adapter_ready`."""
+        self._max_loras = max_loras
+        self._lora_info = [
+            Gauge(
+                prefix + "lora_requests_info",
+                "Running stats on LoRA requests: adapters with running and waiting requests "
+                "(comma-separated); the value is when they were last updated.",
+                labelnames=("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                registry=self.registry,
+            )
+            for prefix in self._prefixes
+        ]
+        self._lora_ready = Gauge(
+            "tidegate:lora_adapter_ready",
+            "1 for each LoRA adapter this server serves now (loaded and checked).",
+            labelnames=("adapter",),
+            registry=self.registry,
+        )
+        self._record_lora_requests()
+
+    def record_lora_adapters(self, names: Iterable[str]) -> None:
+        """The adapters served now: each has its ready series, and no other has one."""
+        if self._lora_ready is None:
+            return
+        self._lora_ready.clear()
+        for name in names:
+            self._lora_ready.labels(adapter=name).set(1)
+
+    def _record_lora_requests(self) -> None:
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for run, wait in self._lora_by_engine.values():
+            running.update(run)
+            waiting.update(wait)
+        labels = {
+            "max_lora": str(self._max_loras),
+            "running_lora_adapters": ",".join(sorted(running)),
+            "waiting_lora_adapters": ",".join(sorted(waiting)),
+        }
+        for gauge in self._lora_info:
+            gauge.clear()  # one series: the current sets, as vLLM exports it
+            gauge.labels(**labels).set(time.time())
 
     def record_tokens(
         self, prompt_tokens: int, generation_tokens: int, engine: int | None = None

@@ -53,6 +53,7 @@ TIMING_FREE_E2E = frozenset(
         "tests/e2e/test_async_scheduling_serve.py",
         "tests/e2e/test_errors.py",
         "tests/e2e/test_fuzzed_requests.py",
+        "tests/e2e/test_lora_serve.py",
         "tests/e2e/test_openai_client.py",
         "tests/e2e/test_tenancy.py",
     }

@@ -78,6 +78,12 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
     from tidegate.engine.entrypoints.openai.api_server import build_app
 
+    try:
+        loras = _lora_serving(engine_args, server_args, engine, names, metrics, api_key)
+    except ValueError as error:
+        logger.error("tidegate serve could not start: %s", error)
+        await engine.shutdown()
+        return 1
     # SIGTERM: /health turns 503 at once and new requests are refused while those in flight
     # finish, up to --shutdown-timeout (engine/http_server.py).
     drain = Drain(server_args.shutdown_timeout)
@@ -89,6 +95,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         metrics=metrics,
         cache_salt_header=server_args.cache_salt_header,
         drain=drain,
+        loras=loras,
+        allow_runtime_lora_updates=server_args.allow_runtime_lora_updates,
     )
     config = uvicorn.Config(
         app,
@@ -118,10 +126,53 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         server_args.host,
         server_args.port,
     )
+    watcher = None
+    if loras is not None and server_args.lora_modules_file:
+        watcher = asyncio.ensure_future(loras.watch_file(server_args.lora_modules_file))
     try:
         await server.serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await engine.shutdown()
     if server.started is False and exit_code == 0:
         return 1  # could not bind the port; uvicorn said why
     return exit_code
+
+
+def _lora_serving(
+    engine_args: EngineArgs,
+    server_args: ServerArgs,
+    engine: AsyncLLM,
+    names: list[str],
+    metrics: PrometheusMetrics,
+    api_key: str | None,
+):
+    """The server's adapters (--lora-modules, then the file), or None without enable_lora."""
+    lora_flags = {
+        "lora_modules": server_args.lora_modules,
+        "lora_modules_file": server_args.lora_modules_file,
+        "allow_runtime_lora_updates": server_args.allow_runtime_lora_updates,
+    }
+    if not engine_args.enable_lora:
+        given = [name for name, value in lora_flags.items() if value]
+        if given:
+            raise ValueError(
+                f"{', '.join('--' + n.replace('_', '-') for n in given)} needs --enable-lora"
+            )
+        return None
+    if server_args.allow_runtime_lora_updates and not api_key:
+        raise ValueError(
+            "--allow-runtime-lora-updates needs an API key (--api-key-file): the routes "
+            "make the server read any path it can"
+        )
+    from tidegate.engine.entrypoints.openai.serving_lora import LoRAServing
+    from tidegate.engine.lora.registry import LoRARegistry
+
+    metrics.enable_lora(engine_args.max_loras)
+    registry = LoRARegistry(engine.model_config, engine_args.max_lora_rank, reserved_names=names)
+    loras = LoRAServing(registry, names, on_change=metrics.record_lora_adapters)
+    loras.load_flags(server_args.lora_modules)
+    if server_args.lora_modules_file:
+        loras.sync_file(server_args.lora_modules_file)
+    return loras

@@ -22,6 +22,7 @@ from tests.e2e.server import ServerProcess
 from tidegate.common.local_server import LocalServer
 
 MODEL = "tiny"
+ADAPTER = "tiny-lora"
 # Small enough that a test can watch an unclaimed pin expire.
 KV_TIMEOUT_S = 4.0
 ENGINE_FLAGS = ("--served-model-name", MODEL, "--max-model-len", "2048")
@@ -91,9 +92,15 @@ def wait_all_free(servers: list[LocalServer], timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
+
     logs = tmp_path_factory.mktemp("pd-logs")
-    unified = ServerProcess(tiny_llama_dir, logs, *ENGINE_FLAGS)
-    prod, cons = producer(tiny_llama_dir, logs, *ASYNC), consumer(tiny_llama_dir, logs, *ASYNC)
+    # Every instance serves one LoRA adapter too (both pools get the same adapters).
+    adapter = make_tiny_adapter(tiny_llama_dir, logs / ADAPTER, rank=8, seed=5)
+    lora = ("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}")
+    unified = ServerProcess(tiny_llama_dir, logs, *ENGINE_FLAGS, *lora)
+    prod = producer(tiny_llama_dir, logs, *ASYNC, *lora)
+    cons = consumer(tiny_llama_dir, logs, *ASYNC, *lora)
     servers: list[LocalServer] = [unified, prod, cons]
     try:
         start_all(*servers)
@@ -115,8 +122,10 @@ def token_prompt(length: int) -> list[int]:
     return [(13 * i + length) % 900 + 3 for i in range(length)]
 
 
-def complete(server: LocalServer, prompt, stream: bool, max_tokens: int = 16) -> str:
-    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, timeout=60)
+def complete(
+    server: LocalServer, prompt, stream: bool, max_tokens: int = 16, model: str = MODEL
+) -> str:
+    kwargs = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, timeout=60)
     if not stream:
         return client(server).completions.create(**kwargs).choices[0].text
     chunks = client(server).completions.create(**kwargs, stream=True)
@@ -158,6 +167,39 @@ def test_the_prompt_is_computed_on_the_producer_and_pulled(stack: dict) -> None:
     assert metric(stack["consumer"], "prompt_tokens_computed_total") - computed == 1
     assert metric(stack["consumer"], "kv_received_bytes_total") > received
     assert metric(stack["consumer"], "kv_transfer_fallbacks_total") == 0
+
+
+def test_an_adapters_prompt_is_pulled_and_decoded_under_the_same_adapter(stack: dict) -> None:
+    prompt = token_prompt(300)
+    expected = complete(stack["unified"], prompt, stream=False, model=ADAPTER)
+    assert expected != complete(stack["unified"], prompt, stream=False)
+    computed = metric(stack["consumer"], "prompt_tokens_computed_total")
+    assert complete(stack["router"], prompt, stream=True, model=ADAPTER) == expected
+    assert metric(stack["consumer"], "prompt_tokens_computed_total") - computed == 1
+    assert metric(stack["consumer"], "kv_transfer_fallbacks_total") == 0
+
+
+def test_kv_computed_under_an_adapter_is_never_decoded_under_another(stack: dict) -> None:
+    """A consumer request whose adapter differs from the producer's computes the prompt itself
+    (a fallback), and answers what a unified server answers."""
+    prompt = token_prompt(200)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    first = httpx.post(
+        stack["producer"].base_url + "/v1/completions",
+        json={**body, "model": ADAPTER, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=60,
+    ).json()
+    params = first["kv_transfer_params"]
+    assert params["lora_name"] == ADAPTER
+    fallbacks = metric(stack["consumer"], "kv_transfer_fallbacks_total")
+    second = httpx.post(
+        stack["consumer"].base_url + "/v1/completions",
+        json={**body, "model": MODEL, "max_tokens": 16, "kv_transfer_params": params},
+        timeout=60,
+    )
+    assert second.status_code == 200, second.text
+    assert second.json()["choices"][0]["text"] == complete(stack["unified"], prompt, False)
+    assert metric(stack["consumer"], "kv_transfer_fallbacks_total") == fallbacks + 1
 
 
 def test_aborted_streams_and_a_killed_consumer_leave_no_block_held(

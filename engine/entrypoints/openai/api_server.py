@@ -22,7 +22,9 @@ from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from tidegate.engine.entrypoints.openai.responses import (
     ChatCompletionChunk,
@@ -35,9 +37,11 @@ from tidegate.engine.entrypoints.openai.responses import (
 )
 from tidegate.engine.entrypoints.openai.serving_chat import ChatServing
 from tidegate.engine.entrypoints.openai.serving_completion import CompletionServing
+from tidegate.engine.entrypoints.openai.serving_lora import LoRAServing
 from tidegate.engine.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from tidegate.engine.errors import EngineDeadError
 from tidegate.engine.http_server import Drain
+from tidegate.engine.messages import LoRARequest
 
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -60,14 +64,22 @@ def build_app(
     metrics: MetricsRenderer | None = None,
     cache_salt_header: str | None = None,
     drain: Drain | None = None,
+    loras: LoRAServing | None = None,
+    allow_runtime_lora_updates: bool = False,
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
     With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
     With `drain`, it counts requests in flight for it and refuses new ones once it starts.
+    With `loras`, a request's `model` may name one of its adapters; with
+    `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
+    if allow_runtime_lora_updates and (loras is None or not api_key):
+        raise ValueError(
+            "runtime LoRA updates need enable_lora and an API key: the routes read server paths"
+        )
     app = FastAPI(title="Tidegate", version=_version())
     install_error_handlers(app)
     if api_key:
@@ -83,6 +95,13 @@ def build_app(
         if name is not None and name not in served_model_names:
             raise model_not_found(name, served_model_names)
 
+    def resolve_model(name: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for an unknown name."""
+        if loras is None:
+            check_model(name)
+            return None
+        return loras.resolve(name)
+
     def salt(body: CompletionRequest | ChatCompletionRequest, request: HTTPRequest) -> None:
         if cache_salt_header is not None:
             body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
@@ -92,6 +111,15 @@ def build_app(
             raise EngineDeadError(engine.dead_reason or "an engine process died")
 
     def card(name: str) -> ModelCard:
+        lora = loras.registry.get(name) if loras is not None else None
+        if lora is not None:
+            return ModelCard(
+                id=name,
+                created=created,
+                root=lora.path,
+                parent=served_model_names[0],
+                max_model_len=engine.max_model_len,
+            )
         return ModelCard(
             id=name, created=created, root=model_path, max_model_len=engine.max_model_len
         )
@@ -102,9 +130,9 @@ def build_app(
     )
     async def create_completion(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
-        check_model(body.model)
+        lora = resolve_model(body.model)
         salt(body, request)
-        return await completions.create(body, request)
+        return await completions.create(body, request, lora)
 
     @app.post(
         "/v1/chat/completions",
@@ -112,18 +140,44 @@ def build_app(
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
-        check_model(body.model)
+        lora = resolve_model(body.model)
         salt(body, request)
-        return await chat.create(body, request)
+        return await chat.create(body, request, lora)
 
     @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:
-        return ModelList(data=[card(name) for name in served_model_names])
+        names = loras.served_names() if loras is not None else served_model_names
+        return ModelList(data=[card(name) for name in names])
 
     @app.get("/v1/models/{name:path}", responses=error_responses("4XX"))
     async def retrieve_model(name: str) -> ModelCard:
-        check_model(name)
+        resolve_model(name)
         return card(name)
+
+    if allow_runtime_lora_updates:
+        assert loras is not None
+
+        @app.post(
+            "/v1/load_lora_adapter",
+            response_class=PlainTextResponse,
+            responses=error_responses("4XX"),
+        )
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            loras.load(body.lora_name, body.lora_path)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            )
+
+        @app.post(
+            "/v1/unload_lora_adapter",
+            response_class=PlainTextResponse,
+            responses=error_responses("4XX"),
+        )
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            loras.unload(body.lora_name)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            )
 
     @app.post("/tokenize", responses=error_responses("4XX"))
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -27,7 +27,7 @@ from tidegate.engine.kv_transfer.params import (
     RemoteDecode,
     parse_kv_transfer_params,
 )
-from tidegate.engine.messages import EngineCoreRequest
+from tidegate.engine.messages import EngineCoreRequest, LoRARequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.sampling_params import SEED_RANGE, SamplingParams
 
@@ -54,6 +54,7 @@ def build_sub_requests(
     n: int,
     cache_salt: str | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[SubRequest]:
     """Check every prompt x choice (raising ValueError) before anything reaches the engine.
 
@@ -80,6 +81,7 @@ def build_sub_requests(
                 choice_params,
                 cache_salt,
                 kv_transfer,
+                lora_request,
             )
             text = prompt if isinstance(prompt, str) else None
             subs.append(SubRequest(prompt_index * n + choice, request, text))

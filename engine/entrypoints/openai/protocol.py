@@ -300,3 +300,17 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -120,6 +120,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tidegate"
     root: str
+    # A LoRA adapter's base model (its served name); None for the base model itself.
+    parent: str | None = None
     max_model_len: int
 
 

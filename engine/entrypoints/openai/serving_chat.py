@@ -34,6 +34,7 @@ from tidegate.engine.entrypoints.openai.responses import (
     DeltaMessage,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
+from tidegate.engine.messages import LoRARequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 
@@ -62,7 +63,12 @@ class ChatServing:
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
-    async def create(self, body: ChatCompletionRequest, http_request: HTTPRequest) -> Response:
+    async def create(
+        self,
+        body: ChatCompletionRequest,
+        http_request: HTTPRequest,
+        lora_request: LoRARequest | None = None,
+    ) -> Response:
         """Render, validate every choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("chatcmpl", http_request)
         token_ids = chat_prompt_token_ids(self.engine.tokenizer, body.messages)
@@ -76,6 +82,7 @@ class ChatServing:
             body.n,
             body.cache_salt,
             body.kv_transfer_params,
+            lora_request,
         )
         created = int(time.time())
         if body.stream:

@@ -29,6 +29,7 @@ from tidegate.engine.entrypoints.openai.responses import (
     CompletionResponse,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
+from tidegate.engine.messages import LoRARequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 
 
@@ -38,7 +39,12 @@ class CompletionServing:
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
-    async def create(self, body: CompletionRequest, http_request: HTTPRequest) -> Response:
+    async def create(
+        self,
+        body: CompletionRequest,
+        http_request: HTTPRequest,
+        lora_request: LoRARequest | None = None,
+    ) -> Response:
         """Validate every prompt x choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("cmpl", http_request)
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
@@ -50,6 +56,7 @@ class CompletionServing:
             body.n,
             body.cache_salt,
             body.kv_transfer_params,
+            lora_request,
         )
         header = CompletionResponse(
             id=request_id, created=int(time.time()), model=body.model, choices=[]
