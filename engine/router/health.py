@@ -1,42 +1,48 @@
-"""The background loop that re-resolves every URL, checks every instance and reads its load."""
+"""The background loop: re-resolve every URL, check every instance, read its load and adapters."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Sequence
 
 import httpx
 
+from tidegate.engine.router.adapters import ADAPTER_METRICS, read_adapters
 from tidegate.engine.router.discovery import discover
+from tidegate.engine.router.exposition import Exposition, parse_exposition
 from tidegate.engine.router.instances import Instance, InstancePool
 
 logger = logging.getLogger("tidegate.router")
 
 # Engine gauges whose sum is the work an instance has queued (every series: one per core).
 LOAD_METRICS = ("tidegate:num_requests_running", "tidegate:num_requests_waiting")
+# All the router reads of a /metrics page; the rest of it is not parsed.
+READ_METRICS = frozenset((*LOAD_METRICS, *ADAPTER_METRICS))
 # While requests are held for a pool with no healthy instance, rounds come this often (or
 # more often, with a shorter --health-interval): a held request is routed within this
 # much of its instance turning ready.
 HOLDING_INTERVAL_S = 0.25
 
 
-def reported_load(exposition: str) -> float:
-    """Running plus waiting requests in an engine's /metrics text, summed over series."""
-    total = 0.0
-    for line in exposition.splitlines():
-        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        if name.strip() in LOAD_METRICS:
-            try:
-                total += float(rest.rsplit(maxsplit=1)[-1])
-            except (ValueError, IndexError):
-                continue
-    return total
+def reported_load(exposition: str | Exposition) -> float:
+    """Running plus waiting requests in an engine's /metrics (text or parsed), over all series."""
+    page = parse_exposition(exposition) if isinstance(exposition, str) else exposition
+    # A NaN would make every load comparison false and no instance choosable.
+    return sum(
+        sample.value
+        for sample in page.samples
+        if sample.name in LOAD_METRICS and math.isfinite(sample.value)
+    )
 
 
 class HealthMonitor:
     """Every `interval` seconds: discovery, then GET /health (and /metrics) on each instance.
+
+    /metrics gives an instance's load and its LoRA adapters (router/adapters.py), both read
+    from one scrape.
 
     While any request is held (router/pending.py), rounds come every HOLDING_INTERVAL_S, and
     `wake` starts one at once.
@@ -97,9 +103,9 @@ class HealthMonitor:
             pool.mark_down(instance, f"GET /health answered {response.status_code}")
             return
         pool.mark_healthy(instance)
-        await self._read_load(instance)
+        await self._read_metrics(instance)
 
-    async def _read_load(self, instance: Instance) -> None:
+    async def _read_metrics(self, instance: Instance) -> None:
         # The router's own in-flight requests are in the instance's count too: subtract them
         # as of now, so that they are not counted twice until the next check.
         in_flight = instance.in_flight
@@ -108,5 +114,13 @@ class HealthMonitor:
         except httpx.HTTPError as error:
             logger.debug("cannot read %s/metrics: %r", instance.url, error)
             return
-        if response.status_code == 200:
-            instance.external_load = max(0.0, reported_load(response.text) - in_flight)
+        # No page: the instance keeps what the last one said, for adapters as for load.
+        if response.status_code != 200:
+            return
+        page = parse_exposition(response.text, READ_METRICS)
+        instance.external_load = max(0.0, reported_load(page) - in_flight)
+        adapters = read_adapters(page)
+        if adapters.served != instance.adapters.served:
+            served = "unknown" if adapters.served is None else sorted(adapters.served)
+            logger.info("%s instance %s serves adapters %s", instance.role, instance.url, served)
+        instance.adapters = adapters

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
+from tidegate.engine.router.adapters import UNKNOWN, Adapters
 from tidegate.engine.router.selection import Selector
 
 logger = logging.getLogger("tidegate.router")
@@ -14,7 +15,7 @@ logger = logging.getLogger("tidegate.router")
 
 @dataclass(eq=False)
 class Instance:
-    """One engine server: its base URL, whether it answers, and how busy it is."""
+    """One engine server: its base URL, whether it answers, how busy it is, its adapters."""
 
     role: str
     url: str
@@ -24,6 +25,8 @@ class Instance:
     # Requests the instance reported (running + waiting) that are not this router's: other
     # router replicas' and anyone calling it directly; refreshed at every health check.
     external_load: float = 0.0
+    # The LoRA adapters it serves and those hot on it, as of its last /metrics read.
+    adapters: Adapters = UNKNOWN
     last_error: str | None = None
 
     @property
@@ -73,10 +76,25 @@ class InstancePool:
         """The instances that passed their last check and have not failed since."""
         return [i for i in self._instances.values() if i.healthy]
 
-    def pick(self, key: str, exclude: Collection[str] = ()) -> Instance | None:
-        """The healthy instance to send a request with this affinity key to, if any."""
-        loads = {i.url: i.load for i in self.healthy() if i.url not in exclude}
-        url = self.selector.choose(key, loads)
+    def pick(
+        self, key: str, exclude: Collection[str] = (), model: str | None = None
+    ) -> Instance | None:
+        """The healthy instance to send a request with this affinity key to, if any.
+
+        When `model` names an adapter that some candidate serves, only those that serve it
+        are candidates, and among those within the load bound the ones where it is hot come
+        first. An adapter no candidate is known to serve (or the base model) may go to any:
+        the engine that gets it loads it or answers 404 itself.
+        """
+        candidates = [i for i in self.healthy() if i.url not in exclude]
+        hot: set[str] = set()
+        if model is not None:
+            serving = [i for i in candidates if i.adapters.serves(model)]
+            if serving:
+                candidates = serving
+                hot = {i.url for i in serving if i.adapters.is_hot(model)}
+        loads = {i.url: i.load for i in candidates}
+        url = self.selector.choose(key, loads, preferred=hot)
         return None if url is None else self._instances[url]
 
     def mark_healthy(self, instance: Instance) -> None:
@@ -93,6 +111,8 @@ class InstancePool:
             logger.warning("%s instance %s is down: %s", self.role, instance.url, reason)
         instance.healthy = False
         instance.last_error = reason
+        # It may come back as a new process, with other adapters: unknown until it says.
+        instance.adapters = UNKNOWN
         self._update_ready()
 
     def _update_ready(self) -> None:

@@ -24,7 +24,7 @@ from tidegate.engine.router.rewrite import (
     needs_prefill,
     prefill_body,
 )
-from tidegate.engine.router.selection import affinity_key
+from tidegate.engine.router.selection import affinity_key, request_model
 
 logger = logging.getLogger("tidegate.router")
 
@@ -56,11 +56,13 @@ class Proxy:
     ) -> Response:
         """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
         key = affinity_key(body) or headers["x-request-id"]
+        # Both legs prefer instances that serve the adapter the model field may name.
+        model = request_model(body)
         deadline = self.holding.deadline()
         if not self.disaggregated or not needs_prefill(path, body):
             if self.disaggregated:
                 self.metrics.prefill_skipped.inc()
-            return await self._decode(path, client_body(body), headers, key, deadline)
+            return await self._decode(path, client_body(body), headers, key, model, deadline)
         # A decode instance first: the prefill's KV blocks would wait for a decode that never
         # comes (they expire). No healthy one: wait for one, or fail before the prefill leg.
         await self.holding.until_ready(self.pools["decode"], deadline)
@@ -74,6 +76,7 @@ class Proxy:
             key,
             self.prefill_timeout,
             deadline,
+            model=model,
         )
         self.metrics.latency.labels("prefill").observe(time.monotonic() - started)
         if response.status_code >= 300:
@@ -88,7 +91,7 @@ class Proxy:
             ) from None
         if params is None:
             logger.warning("prefill instance %s returned no kv_transfer_params", instance.url)
-        return await self._decode(path, decode_body(body, params), headers, key, deadline)
+        return await self._decode(path, decode_body(body, params), headers, key, model, deadline)
 
     async def models(self, headers: Mapping[str, str]) -> Response:
         """GET /v1/models from a decode instance: the names clients may use."""
@@ -112,11 +115,21 @@ class Proxy:
         body: dict[str, Any],
         headers: Mapping[str, str],
         key: str,
+        model: str | None,
         deadline: float,
     ) -> Response:
         started = time.monotonic()
         instance, response = await self._send(
-            "decode", "POST", path, body, headers, key, self.decode_timeout, deadline, stream=True
+            "decode",
+            "POST",
+            path,
+            body,
+            headers,
+            key,
+            self.decode_timeout,
+            deadline,
+            stream=True,
+            model=model,
         )
         pool = self.pools["decode"]
 
@@ -140,8 +153,12 @@ class Proxy:
         deadline: float,
         stream: bool = False,
         leg: str | None = None,
+        model: str | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """The first response below 500 from a healthy instance, trying each at most once.
+
+        Instances that serve `model`, when it names a LoRA adapter, are tried first
+        (InstancePool.pick).
 
         With no healthy instance in the pool when the leg starts, the leg waits for one until
         `deadline` (router/pending.py). A streamed response keeps its instance's in-flight
@@ -152,7 +169,7 @@ class Proxy:
         content = None if body is None else json.dumps(body).encode()
         await self.holding.until_ready(pool, deadline)
         tried: set[str] = set()
-        while (instance := pool.pick(key, exclude=tried)) is not None:
+        while (instance := pool.pick(key, exclude=tried, model=model)) is not None:
             tried.add(instance.url)
             request = self.client.build_request(
                 method, instance.endpoint(path), content=content, headers=headers, timeout=timeout

@@ -5,13 +5,17 @@ KV blocks in its prefix cache. Rendezvous (highest-random-weight) hashing gives 
 request key a stable preference order over the instances, and adding or removing one
 instance moves only the keys that ranked it first. Affinity yields to load: a hot prefix
 must not pile every request onto one instance while others idle.
+
+The key holds the request's `model` as well as its prompt: KV blocks computed under one
+LoRA adapter are of no use to another (the engine keys its prefix cache by adapter), so the
+same prompt under two adapters is two keys, each with its own instance.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +24,7 @@ AFFINITY_PREFIX_CHARS = 512
 
 
 def affinity_key(body: Mapping[str, Any]) -> str | None:
-    """The leading prompt text of a request body (chat messages or a completion prompt)."""
+    """The model name and leading prompt text of a request body (chat or completion)."""
     if "messages" in body:
         prompt: Any = body["messages"]
     elif "prompt" in body:
@@ -31,7 +35,14 @@ def affinity_key(body: Mapping[str, Any]) -> str | None:
         # A canonical serialization, so that equal messages give equal keys whatever the
         # key order the client's JSON library chose.
         prompt = json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return prompt[:AFFINITY_PREFIX_CHARS]
+    # The separator keeps a model name and a prompt from running into another pair's.
+    return f"{request_model(body) or ''}\0{prompt[:AFFINITY_PREFIX_CHARS]}"
+
+
+def request_model(body: Mapping[str, Any]) -> str | None:
+    """The request's `model` (the base model or a LoRA adapter's name), if it is a string."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
 
 
 def rendezvous_order(key: str, urls: Sequence[str]) -> list[str]:
@@ -56,13 +67,19 @@ class Selector:
     slack: float = 2.0
     slack_ratio: float = 0.25
 
-    def choose(self, key: str, loads: Mapping[str, float]) -> str | None:
-        """The URL to send a request with this key to, given each candidate's load."""
+    def choose(
+        self, key: str, loads: Mapping[str, float], preferred: Collection[str] = ()
+    ) -> str | None:
+        """The URL to send a request with this key to, given each candidate's load.
+
+        Candidates in `preferred` (those where the request's adapter is hot) win over the
+        others within the load bound; past it they yield like any other, so that an adapter
+        hot on one instance does not keep every request of it there.
+        """
         if not loads:
             return None
         least = min(loads.values())
         bound = least + self.slack + self.slack_ratio * least
-        for url in rendezvous_order(key, list(loads)):
-            if loads[url] <= bound:
-                return url
-        raise AssertionError("the least loaded instance is always within the bound")
+        within = [url for url in rendezvous_order(key, list(loads)) if loads[url] <= bound]
+        assert within, "the least loaded instance is always within the bound"
+        return next((url for url in within if url in preferred), within[0])

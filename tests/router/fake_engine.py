@@ -20,6 +20,7 @@ from tidegate.common.local_server import free_port
 from tidegate.engine.http_server import DRAINING_HEADER
 
 DEADLINE_S = 10.0
+BASE_MODEL = "tiny"
 
 
 def sse(data: Any) -> bytes:
@@ -56,6 +57,10 @@ class FakeEngine:
     hold: bool = False  # a stream stops after its first chunk until the client leaves
     die_after: int | None = None  # a stream breaks off after this many chunks
     disconnected: threading.Event = field(default_factory=threading.Event)
+    # LoRA adapters loaded and ready; None: no LoRA, and no LoRA metrics at all.
+    adapters: list[str] | None = None
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
 
     def app(self) -> Starlette:
         """The engine as an ASGI app."""
@@ -82,6 +87,11 @@ class FakeEngine:
         if self.error_status is not None:
             error = {"message": f"{self.name} refuses", "type": "invalid_request_error"}
             return JSONResponse({"error": error}, status_code=self.error_status)
+        if self.adapters is not None and body.get("model") not in (BASE_MODEL, *self.adapters):
+            # As an engine answers a model or adapter it does not serve.
+            message = f"{self.name} has no model {body.get('model')}"
+            error = {"message": message, "type": "invalid_request_error", "code": "not_found"}
+            return JSONResponse({"error": error}, status_code=404)
         request_id = request.headers.get("x-request-id", "")
         if self.role == "prefill":
             choice = {"index": 0, "text": "x", "finish_reason": "length"}
@@ -109,7 +119,7 @@ class FakeEngine:
 
     async def _models(self, request: Request) -> Response:
         self.received.append(Received(request.url.path, {}, dict(request.headers)))
-        return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": BASE_MODEL, "object": "model"}]})
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy and not self.draining else 503)
@@ -120,6 +130,18 @@ class FakeEngine:
             f'tidegate:num_requests_running{{engine="0"}} {self.reported_load}\n'
             'tidegate:num_requests_waiting{engine="0"} 0.0\n'
         )
+        if self.adapters is not None:
+            text += "# TYPE tidegate:lora_adapter_ready gauge\n" + "".join(
+                f'tidegate:lora_adapter_ready{{adapter="{name}"}} 1.0\n' for name in self.adapters
+            )
+            running, waiting = ",".join(self.running_adapters), ",".join(self.waiting_adapters)
+            # An older state first, as vLLM leaves it exported: only the newest one counts.
+            text += (
+                'vllm:lora_requests_info{max_lora="4",running_lora_adapters="stale",'
+                'waiting_lora_adapters=""} 1.0e9\n'
+                f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="{running}",'
+                f'waiting_lora_adapters="{waiting}"}} {time.time()}\n'
+            )
         return Response(text, media_type="text/plain")
 
 

@@ -104,7 +104,8 @@ def test_the_affinity_key_is_the_prompts_head_in_a_canonical_form():
     assert affinity_key(chat) == affinity_key(reordered)
     head = "x" * AFFINITY_PREFIX_CHARS
     assert affinity_key({"prompt": head + "one"}) == affinity_key({"prompt": head + "two"})
-    assert affinity_key({"prompt": [1, 2, 3]}) == "[1,2,3]"
+    assert affinity_key({"prompt": [1, 2, 3]}) == "\0[1,2,3]"
+    assert affinity_key({"model": "m", "prompt": [1, 2, 3]}) == "m\0[1,2,3]"
     assert affinity_key({"model": "m"}) is None
 
 
