@@ -42,7 +42,7 @@ def _up(ns: argparse.Namespace) -> int:
     from tidegate.operator.up import run_up
 
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    return run_up(ns.file, ns.model_dir, ns.port)
+    return run_up(ns.file, ns.model_dir, ns.port, dict(ns.claim_dir or []))
 
 
 def _operator(ns: argparse.Namespace) -> int:
@@ -54,6 +54,7 @@ def _operator(ns: argparse.Namespace) -> int:
         render=RenderOptions(default_image=ns.engine_image),
         autoscale_period_s=ns.autoscale_period,
         metrics_port=ns.metrics_port or None,
+        adapter_period_s=ns.adapter_period,
     )
     run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
     return 0
@@ -85,7 +86,21 @@ def add_up(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> No
         "--model-dir", type=Path, help="local model folder (default: the hostPath source)"
     )
     parser.add_argument("--port", type=int, default=8000, help="port of the public endpoint")
+    parser.add_argument(
+        "--claim-dir",
+        type=_claim_dir,
+        action="append",
+        metavar="CLAIM=DIR",
+        help="local folder standing for a PersistentVolumeClaim that adapters are on (repeat)",
+    )
     parser.set_defaults(handler=_up)
+
+
+def _claim_dir(text: str) -> tuple[str, Path]:
+    claim, sep, folder = text.partition("=")
+    if not sep or not claim or not folder:
+        raise argparse.ArgumentTypeError(f"{text!r} is not CLAIM=DIR")
+    return claim, Path(folder)
 
 
 def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
@@ -116,6 +131,12 @@ def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None)
         type=_positive_seconds,
         default=PERIOD_S,
         help="seconds between two decisions of the autoscaler (driver: operator)",
+    )
+    parser.add_argument(
+        "--adapter-period",
+        type=_positive_seconds,
+        default=PERIOD_S,
+        help="seconds between two reads of which pods serve each LoRA adapter (status.adapters)",
     )
     parser.set_defaults(handler=_operator)
 

@@ -147,6 +147,45 @@ def start_time_s(pod: Mapping[str, Any]) -> float | None:
     return max(0.0, ready - created)
 
 
+class Scraper:
+    """GETs pods' `/metrics` on a session of its own: the API server's credentials never go to
+    a pod. `fetch` stands in for HTTP in tests."""
+
+    def __init__(self, fetch: Fetch | None = None) -> None:
+        self._fetch = fetch
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, url: str) -> str | None:
+        """The exposition at `url`, or None when it did not answer 200 in time."""
+        if self._fetch is not None:
+            return await self._fetch(url)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+            )
+        try:
+            async with self._session.get(url) as response:
+                return await response.text() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def ready_pods(self, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """The exposition of each ready pod that answered its scrape, by pod name."""
+        ready = [(pod, url) for pod in pods if is_ready(pod) and (url := metrics_url(pod))]
+        texts = await asyncio.gather(*(self(url) for _, url in ready))
+        return {
+            pod["metadata"]["name"]: text
+            for (pod, _), text in zip(ready, texts, strict=True)
+            if text is not None
+        }
+
+    async def close(self) -> None:
+        """Release the connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 def deletion_costs(loads: Mapping[str, EngineLoad]) -> dict[str, int]:
     """Each ready pod's deletion cost: its running plus waiting requests (idlest lowest)."""
     return {name: load.running + load.waiting for name, load in loads.items()}
@@ -254,8 +293,7 @@ class ClusterAutoscaler:
         self.kube = kube
         self.period_s = period_s
         self.clock = clock
-        self._fetch = fetch
-        self._session: aiohttp.ClientSession | None = None
+        self._scrape = Scraper(fetch)
         self.registry = registry or CollectorRegistry()
         self.desired = Gauge(
             "tidegate:autoscaler_desired_replicas",
@@ -297,9 +335,7 @@ class ClusterAutoscaler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._scrape.close()
 
     async def _run(self, namespace: str, name: str) -> None:
         try:
@@ -422,13 +458,8 @@ class ClusterAutoscaler:
 
     async def _loads(self, pods: list[dict[str, Any]]) -> dict[str, EngineLoad]:
         """The load of each ready pod that answered its scrape, by pod name."""
-        ready = [(pod, url) for pod in pods if is_ready(pod) and (url := metrics_url(pod))]
-        texts = await asyncio.gather(*(self._scrape(url) for _, url in ready))
-        return {
-            pod["metadata"]["name"]: engine_load(parse_exposition(text))
-            for (pod, _), text in zip(ready, texts, strict=True)
-            if text is not None
-        }
+        texts = await self._scrape.ready_pods(pods)
+        return {name: engine_load(parse_exposition(text)) for name, text in texts.items()}
 
     async def _router_held(
         self, namespace: str, name: str, spec: LLMDeploymentSpec
@@ -437,8 +468,7 @@ class ClusterAutoscaler:
         if not spec.has_router():
             return {}
         pods = await self.kube.list("v1", "Pod", namespace, selector_labels(name, "router"))
-        urls = [url for pod in pods if is_ready(pod) and (url := metrics_url(pod))]
-        texts = [t for t in await asyncio.gather(*(self._scrape(u) for u in urls)) if t]
+        texts = (await self._scrape.ready_pods(pods)).values()
         samples = [s for text in texts for s in parse_exposition(text)]
         return {role: router_pending(samples, role) for role in ("unified", "prefill", "decode")}
 
@@ -490,17 +520,3 @@ class ClusterAutoscaler:
         except KubeError as error:
             # An Event is a courtesy: the scale happened and status says so.
             logger.warning(f"autoscaler: no Event for {meta['name']}: {error}")
-
-    async def _scrape(self, url: str) -> str | None:
-        if self._fetch is not None:
-            return await self._fetch(url)
-        if self._session is None:
-            # Its own session: the API server's credentials never go to a pod.
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
-            )
-        try:
-            async with self._session.get(url) as response:
-                return await response.text() if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError):
-            return None

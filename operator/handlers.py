@@ -12,6 +12,8 @@ finalizer, which would write to every resource and block deletion when the opera
 For the same reason the autoscaler is not a kopf daemon: each reconcile of a resource whose
 policies the operator drives starts its task in `ClusterAutoscaler` if none runs, and the task
 ends by itself once the resource is gone or has no such policy (`operator/cluster_scaler.py`).
+The report of a resource's LoRA adapters (status.adapters, `operator/adapter_status.py`) runs
+the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import kopf
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from tidegate.operator.adapter_status import AdapterReporter
 from tidegate.operator.cluster_scaler import PERIOD_S, ClusterAutoscaler
 from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
 from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, owned_labels
@@ -46,6 +49,8 @@ class OperatorOptions:
     # The autoscaler's period, and the port of the operator's /metrics (None: not served).
     autoscale_period_s: float = PERIOD_S
     metrics_port: int | None = None
+    # How often status.adapters is refreshed from the engine pods' /metrics.
+    adapter_period_s: float = PERIOD_S
 
     def retry_delay(self, retry: int) -> float:
         """Seconds to wait after the `retry`-th retry (0: the first attempt) failed."""
@@ -58,6 +63,7 @@ class _State:
     def __init__(self) -> None:
         self.kube: Kube | None = None
         self.autoscaler: ClusterAutoscaler | None = None
+        self.adapters: AdapterReporter | None = None
         # The autoscaler's gauges: served from startup on, filled once it runs.
         self.registry = CollectorRegistry()
         self.metrics: web.AppRunner | None = None
@@ -101,6 +107,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
                 state.autoscaler = ClusterAutoscaler(
                     state.kube, options.autoscale_period_s, registry=state.registry
                 )
+                state.adapters = AdapterReporter(state.kube, options.adapter_period_s)
             else:
                 state.kube.update(info)
         return info
@@ -111,6 +118,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             await state.metrics.cleanup()
         if state.autoscaler is not None:
             await state.autoscaler.close()
+        if state.adapters is not None:
+            await state.adapters.close()
         if state.kube is not None:
             await state.kube.close()
 
@@ -146,6 +155,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
         if outcome.error is None and state.autoscaler is not None:
             state.autoscaler.watch(latest)
+        if outcome.error is None and state.adapters is not None:
+            state.adapters.watch(latest)
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
@@ -180,6 +191,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         namespace = meta.get("namespace", "default")
         if state.autoscaler is not None:
             state.autoscaler.forget(namespace, meta["name"])
+        if state.adapters is not None:
+            state.adapters.forget(namespace, meta["name"])
         if state.kube is None:
             return
         for api_version, kind in OWNED_KINDS:

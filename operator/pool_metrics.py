@@ -3,13 +3,14 @@
 The engine exports, per engine core (`engine="<i>"` with data parallelism):
 `tidegate:num_requests_running`, `tidegate:num_requests_waiting`, `tidegate:kv_cache_usage_perc`
 (gauges) and the `tidegate:time_to_first_token_seconds` and
-`tidegate:inter_token_latency_seconds` histograms; the router exports
+`tidegate:inter_token_latency_seconds` histograms, and with LoRA on
+`tidegate:lora_adapter_ready{adapter} 1` for each adapter the pod serves now; the router exports
 `tidegate:router_pending_requests{pool}`, the requests it holds while a pool has no ready
 instance. Histograms are cumulative since the pod started, so a latency is read from the
 difference between two scrapes: the p90 of the requests of the last period, not of the
 pod's whole life.
 
-Pure functions of exposition text: the operator's loop and `tidegate up` fetch the text
+Pure functions of exposition text: the operator's loops and `tidegate up` fetch the text
 their own way (aiohttp in the cluster, a thread with httpx on one machine) and share these.
 """
 
@@ -28,6 +29,7 @@ KV_USAGE = "tidegate:kv_cache_usage_perc"
 TTFT = "tidegate:time_to_first_token_seconds"
 ITL = "tidegate:inter_token_latency_seconds"
 ROUTER_PENDING = "tidegate:router_pending_requests"
+LORA_ADAPTER_READY = "tidegate:lora_adapter_ready"
 
 # name{labels} value [timestamp]; labels as Prometheus writes them (escaped quotes allowed).
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
@@ -107,6 +109,20 @@ def router_pending(samples: Iterable[Sample], pool: str) -> int:
     return round(
         sum(s.value for s in samples if s.name == ROUTER_PENDING and s.labels.get("pool") == pool)
     )
+
+
+def served_adapters(samples: Iterable[Sample]) -> frozenset[str]:
+    """The LoRA adapters an engine pod serves: those `tidegate:lora_adapter_ready` says 1 for.
+
+    An adapter the engine does not serve has no series at all; should a series carry another
+    label (say, one per engine core), every one of the adapter's series must say 1.
+    """
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        adapter = sample.labels.get("adapter")
+        if sample.name == LORA_ADAPTER_READY and adapter is not None:
+            values.setdefault(adapter, []).append(sample.value)
+    return frozenset(name for name, found in values.items() if all(v == 1 for v in found))
 
 
 def increase(before: Mapping[float, float], after: Mapping[float, float]) -> dict[float, float]:

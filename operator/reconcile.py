@@ -29,11 +29,12 @@ from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
 from tidegate.operator.tuning import TuningError
 
-# Status keys kopf and the autoscaler keep for themselves; the reconcile neither compares nor
-# overwrites them.
+# Status keys kopf, the autoscaler and the adapter report keep for themselves; the reconcile
+# neither compares nor overwrites them.
 KOPF_STATUS_KEY = "kopf"
 AUTOSCALING_STATUS_KEY = "autoscaling"
-OTHERS_STATUS_KEYS = {KOPF_STATUS_KEY, AUTOSCALING_STATUS_KEY}
+ADAPTERS_STATUS_KEY = "adapters"
+OTHERS_STATUS_KEYS = {KOPF_STATUS_KEY, AUTOSCALING_STATUS_KEY, ADAPTERS_STATUS_KEY}
 
 
 @dataclass

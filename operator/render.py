@@ -12,8 +12,12 @@ a router Deployment behind the public Service, a PodDisruptionBudget per Deploym
 NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods' KV ports.
 Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
 that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
-commented with its reason. With `autoscaling.driver` keda or hpa, each autoscaled pool also
-gets a KEDA ScaledObject or an HPA (`operator/render_scalers.py`). An autoscaled pool's
+commented with its reason. With spec.adapters, every role's file turns LoRA on and names
+`/etc/tidegate/adapters.yaml`, the ConfigMap's list of adapters, which the engines read again
+when it changes; it stays out of the pods' spec hash, so an adapter whose folder the pods
+already mount comes and goes without a restart (`adapter_layout` says where each one is).
+With `autoscaling.driver` keda or hpa, each autoscaled pool also gets a KEDA ScaledObject or
+an HPA (`operator/render_scalers.py`). An autoscaled pool's
 Deployment carries its starting replicas, for its creation only: its driver (the operator's
 autoscaler, KEDA or the HPA controller) sets them from then on, and `Rendered.scaled` names
 it so that the reconcile leaves them alone.
@@ -38,6 +42,7 @@ from tidegate.operator.spec import (
     API_VERSION,
     GROUP,
     KIND,
+    AdapterSpec,
     LLMDeploymentSpec,
     SecretKeyRef,
     SpecError,
@@ -56,6 +61,14 @@ MODEL_DIR = "/model"
 # compile/<image and model digest> the compiled kernels, which only that image and model use.
 CACHE_DIR = "/var/cache/tidegate"
 SPEC_HASH = f"{GROUP}/spec-hash"
+# spec.adapters: the list the engines serve is a key of the ConfigMap of its own, read by every
+# role. It is not part of SPEC_HASH: the engine reads the file again when it changes (the
+# kubelet swaps a ConfigMap volume's files atomically), so editing the list rolls no pod.
+ADAPTERS_KEY = "adapters.yaml"
+ADAPTERS_FILE = f"{CONFIG_DIR}/{ADAPTERS_KEY}"
+# Adapter folders in a pod: claims whole at pvc/<claim>, node folders at host/<digest of the
+# path>, fetched ones at fetched/<digest of the URI> (or in spec.model.cache when given).
+ADAPTERS_DIR = "/adapters"
 # SIGTERM drains in-flight requests for this long (tidegate serve --shutdown-timeout) ...
 SHUTDOWN_TIMEOUT_S = 30
 # ... and the kubelet must wait longer than that before it sends SIGKILL.
@@ -116,7 +129,7 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
     behind_router = spec.has_router()
     if behind_router:
         configs["router"] = _router_config(ctx)
-    objects.append(ctx.config_map(configs))
+    objects.append(ctx.config_map(configs, _adapters_config(ctx)))
     policies = spec.autoscaling.policies() if spec.autoscaling else {}
     scaled = set()
     for role, role_tuning in tuning.roles.items():
@@ -198,6 +211,13 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     if tuning.role != "unified":
         values["kv_role"] = "producer" if tuning.role == "prefill" else "consumer"
     reasons: dict[str, str] = {}
+    if spec.adapters is not None:
+        # Every role alike: in P/D a request's prefill and decode legs both need its adapter.
+        values["enable_lora"] = True
+        values["lora_modules_file"] = ADAPTERS_FILE
+        reasons["lora_modules_file"] = (
+            "spec.adapters: the adapters to serve; read again whenever the file changes"
+        )
     choices = {
         "tensor_parallel_size": tuning.tensor_parallel_size,
         "data_parallel_size_local": tuning.data_parallel_size_local,
@@ -248,6 +268,24 @@ def _check_fields(values: dict[str, Any], *models: type) -> None:
     assert not unknown, f"rendered flags the engine does not declare: {unknown}"
 
 
+def _adapters_config(ctx: _Context) -> str | None:
+    """The ConfigMap's adapters.yaml: each adapter's name and its folder in the pods."""
+    adapters = ctx.spec.adapters
+    if adapters is None:
+        return None
+    return adapters_file([(adapter.name, ctx.adapter_dir(adapter)) for adapter in adapters])
+
+
+def adapters_file(entries: list[tuple[str, str]]) -> str:
+    """The `--lora-modules-file` text for (name, folder) pairs: a YAML list of {name, path}."""
+    listed = [{"name": name, "path": path} for name, path in entries]
+    return (
+        "# The LoRA adapters every engine serves (spec.adapters). Rendered by the Tidegate\n"
+        "# operator; edits are overwritten. The engines read it again when it changes.\n"
+        + yaml.safe_dump(listed, sort_keys=False, default_flow_style=False)
+    )
+
+
 def _config_text(title: str, values: dict[str, Any], reasons: dict[str, str]) -> str:
     lines = [f"# {title}. Rendered by the Tidegate operator; edits are overwritten."]
     for field, value in values.items():
@@ -278,6 +316,21 @@ def cached_model_dir(uri: str) -> str:
     return f"{CACHE_DIR}/models/{_digest(uri)}"
 
 
+def cached_adapter_dir(uri: str) -> str:
+    """Where spec.model.cache holds the adapter fetched from `uri`: a folder per URI."""
+    return f"{CACHE_DIR}/adapters/{_digest(uri)}"
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What puts every adapter's folder in an engine pod: its volumes, the engine's mounts, and
+    the init containers that fetch uri adapters."""
+
+    volumes: list[dict[str, Any]]
+    mounts: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]]
+
+
 def _health_check() -> dict[str, Any]:
     return {"httpGet": {"path": "/health", "port": "http"}}
 
@@ -302,6 +355,20 @@ class _Context:
             return cached_model_dir(source.uri)
         return MODEL_DIR
 
+    def adapter_dir(self, adapter: AdapterSpec) -> str:
+        """Where an engine pod finds an adapter's folder (adapter_layout mounts it there)."""
+        source = adapter.source
+        if source.pvc is not None:
+            root = f"{ADAPTERS_DIR}/pvc/{source.pvc.claim_name}"
+            inside = source.pvc.path.strip("/")
+            return f"{root}/{inside}" if inside else root
+        if source.host_path is not None:
+            return f"{ADAPTERS_DIR}/host/{_digest(source.host_path.path)}"
+        assert source.uri is not None
+        if self.spec.model.cache is not None:
+            return cached_adapter_dir(source.uri)
+        return f"{ADAPTERS_DIR}/fetched/{_digest(source.uri)}"
+
     def compile_cache_dir(self) -> str:
         """The compile cache on spec.model.cache: one per image (torch build) and model."""
         source = self.spec.model.source.model_dump(by_alias=True, exclude_none=True)
@@ -324,12 +391,15 @@ class _Context:
             meta["ownerReferences"] = [dict(ref) for ref in self.owner]
         return meta
 
-    def config_map(self, configs: dict[str, str]) -> dict[str, Any]:
+    def config_map(self, configs: dict[str, str], adapters: str | None) -> dict[str, Any]:
+        data = {f"{role}.yaml": text for role, text in configs.items()}
+        if adapters is not None:
+            data[ADAPTERS_KEY] = adapters
         return {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": self.metadata(self.config_map_name, "config"),
-            "data": {f"{role}.yaml": text for role, text in configs.items()},
+            "data": data,
         }
 
     def service(self, name: str, component: str, port: int, *, headless: bool) -> dict[str, Any]:
@@ -405,10 +475,16 @@ class _Context:
             container["ports"].extend(kv_ports(tuning))
         container.update(self.probes())
         volumes, mounts, init = self.model_volume()
+        inits = [init] if init is not None else []
+        if self.spec.adapters is not None:
+            adapters = self.adapter_layout(volumes)
+            volumes += adapters.volumes
+            mounts += adapters.mounts
+            inits += adapters.init_containers
         container["volumeMounts"].extend(mounts)
         pod_spec = self.pod_spec(container, volumes)
-        if init is not None:
-            pod_spec["initContainers"] = [init]
+        if inits:
+            pod_spec["initContainers"] = inits
         if self.spec.model.cache is not None and self.spec.model.cache.pvc is not None:
             # Else the kubelet may chown every file of the shared claim at each pod's start.
             pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
@@ -617,6 +693,69 @@ class _Context:
             [source.uri, MODEL_DIR], {"name": "model", "mountPath": MODEL_DIR}
         )
         return [*volumes, volume], mounts, init
+
+    def adapter_layout(self, volumes: list[dict[str, Any]]) -> AdapterLayout:
+        """The volumes, mounts and fetches that put each adapter at adapter_dir().
+
+        Laid out so that the pod template changes only when a volume does, never with the list
+        alone (whose order changes nothing either): a claim is mounted whole, once, for every
+        adapter on it; the model's claim too, so that adapters kept beside the model need no
+        new volume; a claim the pod already mounts (the model's, the cache's) is the same
+        volume mounted again. A node folder is a volume of its own: mounting its parent would
+        open more of the node's disk than the spec names. A uri adapter needs a fetch, which
+        only an init container does (at the pod's start): it changes the template.
+        """
+        claims = {
+            volume["persistentVolumeClaim"]["claimName"]: volume["name"]
+            for volume in volumes
+            if "persistentVolumeClaim" in volume
+        }
+        model_source = self.spec.model.source
+        wanted = {model_source.pvc.claim_name} if model_source.pvc is not None else set()
+        host_paths: set[str] = set()
+        uris: set[str] = set()
+        for adapter in self.spec.adapters or []:
+            source = adapter.source
+            if source.pvc is not None:
+                wanted.add(source.pvc.claim_name)
+            elif source.host_path is not None:
+                host_paths.add(source.host_path.path)
+            else:
+                assert source.uri is not None
+                uris.add(source.uri)
+        added: list[dict[str, Any]] = []
+        mounts: list[dict[str, Any]] = []
+        for claim in sorted(wanted):
+            name = claims.get(claim)
+            if name is None:
+                name = f"adapters-pvc-{_digest(claim)}"
+                claim_ref = {"claimName": claim, "readOnly": True}
+                added.append({"name": name, "persistentVolumeClaim": claim_ref})
+            mount_path = f"{ADAPTERS_DIR}/pvc/{claim}"
+            mounts.append({"name": name, "mountPath": mount_path, "readOnly": True})
+        for path in sorted(host_paths, key=_digest):
+            name = f"adapters-host-{_digest(path)}"
+            added.append({"name": name, "hostPath": {"path": path, "type": "Directory"}})
+            mount_path = f"{ADAPTERS_DIR}/host/{_digest(path)}"
+            mounts.append({"name": name, "mountPath": mount_path, "readOnly": True})
+        inits = []
+        if uris and self.spec.model.cache is None:
+            # Each pod's own copy, as a uri model without a cache; the engine only reads it.
+            fetched = {"name": "adapters-fetched", "mountPath": f"{ADAPTERS_DIR}/fetched"}
+            added.append({"name": "adapters-fetched", "emptyDir": {}})
+            mounts.append({**fetched, "readOnly": True})
+        for uri in sorted(uris, key=_digest):
+            if self.spec.model.cache is not None:
+                # Into the shared cache (mounted writable already), once for all the pods.
+                args = ["--shared", uri, cached_adapter_dir(uri)]
+                target = {"name": "model-cache", "mountPath": CACHE_DIR}
+            else:
+                args = [uri, f"{ADAPTERS_DIR}/fetched/{_digest(uri)}"]
+                target = fetched
+            init = self.fetch_container(args, target)
+            init["name"] = f"fetch-adapter-{_digest(uri)}"
+            inits.append(init)
+        return AdapterLayout(added, mounts, inits)
 
     def cache_volume(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """spec.model.cache as a volume, and its writable mount at CACHE_DIR."""

@@ -211,6 +211,44 @@ class ModelSpec(SpecModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 
+# spec.adapters: bounded, so that the CRD's rule that names be unique (each name against every
+# other) has a bounded cost, which the API server requires of a CRD's rules.
+MAX_ADAPTERS = 64
+# An adapter's name is what a request's `model` field carries to pick it, a label value of the
+# engine's `tidegate:lora_adapter_ready{adapter}` and a key of the adapters file: a label
+# value's characters and length, so that it fits a label too, and never a leading '-' that a
+# command line would read as a flag nor a '/' that would read as a path.
+ADAPTER_NAME_MESSAGE = (
+    "must be 1 to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
+ADAPTER_NAMES_UNIQUE = "adapter names must be unique"
+ADAPTER_IS_NOT_MODEL = (
+    "an adapter's name must differ from model.name: a request picks the model or an adapter "
+    "by that name"
+)
+
+
+class AdapterSpec(SpecModel):
+    """A LoRA adapter of the model, which every engine serves under its own name."""
+
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=63),
+        _matches(r"[a-zA-Z0-9][a-zA-Z0-9._-]*", ADAPTER_NAME_MESSAGE),
+    ] = Field(description="Name requests ask for in their model field.")
+    source: ModelSource = Field(
+        description="Where the adapter's folder comes from: exactly one of pvc, hostPath, uri."
+    )
+
+
+def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
+    names = [adapter.name for adapter in adapters]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{ADAPTER_NAMES_UNIQUE}; given more than once: {', '.join(twice)}")
+    return adapters
+
+
 class RoleSpec(SpecModel):
     """One engine pool; the optional fields override spec.parallelism and spec.scheduling."""
 
@@ -485,6 +523,13 @@ class LLMDeploymentSpec(SpecModel):
     """spec of an LLMDeployment."""
 
     model: ModelSpec
+    adapters: (
+        Annotated[list[AdapterSpec], Field(max_length=MAX_ADAPTERS), AfterValidator(_unique_names)]
+        | None
+    ) = Field(
+        None,
+        description="LoRA adapters every engine serves beside the model; absent: LoRA is off.",
+    )
     image: (
         Annotated[
             str,
@@ -526,6 +571,13 @@ class LLMDeploymentSpec(SpecModel):
         zero = any(policy.min_replicas == 0 for policy in policies.values())
         if zero and router is not None and router.replicas == 0:
             raise ValueError(ZERO_NEEDS_ROUTER)
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_are_not_the_model(self) -> LLMDeploymentSpec:
+        for adapter in self.adapters or []:
+            if adapter.name == self.model.name:
+                raise ValueError(f"{ADAPTER_IS_NOT_MODEL} ({adapter.name!r} is both)")
         return self
 
     def has_router(self) -> bool:

@@ -7,7 +7,7 @@ template is left (a rollout whose old pods still serve is Progressing, not Ready
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +171,27 @@ def _describe_rollout(rolling: list[RoleState]) -> str:
             text += f", {r.old} old pod{'s' if r.old != 1 else ''} still serving"
         parts.append(text)
     return "; ".join(parts)
+
+
+def adapter_status(
+    names: Sequence[str], served: Mapping[str, Sequence[frozenset[str]]]
+) -> list[dict[str, Any]]:
+    """status.adapters: for each adapter of the spec, in its order, the ready pods serving it.
+
+    `served` holds, by engine role, one set per ready pod that answered its scrape: the adapters
+    it serves. With one pool, readyReplicas is how many of its pods serve the adapter. In P/D a
+    request for an adapter needs it on both of its legs, a prefill pod and a decode pod: the
+    pools serve it as far as the scarcer of the two does, so readyReplicas is the smaller count
+    (0 while either pool has none), and `roles` gives each.
+    """
+    entries = []
+    for name in names:
+        counts = {role: sum(name in pod for pod in pods) for role, pods in served.items()}
+        entry: dict[str, Any] = {"name": name, "readyReplicas": min(counts.values(), default=0)}
+        if len(counts) > 1:
+            entry["roles"] = counts
+        entries.append(entry)
+    return entries
 
 
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 The operator's own renderer says what to run (no second code path): every replica of every
 rendered Deployment becomes a local process running its container's command and args, with
 these local substitutions only:
-- the ConfigMap's files are written to a folder and `--config` points there;
+- the ConfigMap's files are written to a folder and `--config` points there (the adapters
+  file with this machine's folders, kept in step with the manifest while up runs:
+  `operator/up_adapters.py`);
 - each process listens on 127.0.0.1 and a free port; KV transfer ports are picked free too;
 - the model source becomes a local folder (`--model-dir`, or the hostPath when it exists);
 - a Service becomes the URLs of the replicas behind it (the router's --prefill/--decode);
@@ -38,6 +40,7 @@ from tidegate.operator.autoscaler import starting_replicas
 from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
+    ADAPTERS_KEY,
     API_KEY_FILE,
     CACHE_DIR,
     CONFIG_DIR,
@@ -47,6 +50,13 @@ from tidegate.operator.render import (
     render,
 )
 from tidegate.operator.spec import LLMDeploymentSpec, SpecError
+from tidegate.operator.up_adapters import (
+    AdapterError,
+    AdapterWatcher,
+    LocalAdapters,
+    read_adapters_file,
+    write_adapters_file,
+)
 
 logger = logging.getLogger("tidegate.up")
 
@@ -153,30 +163,49 @@ class UpError(Exception):
 
 
 def plan_pods(
-    resource: dict[str, Any], model_dir: Path, port: int, workdir: Path
+    resource: dict[str, Any],
+    model_dir: Path,
+    port: int,
+    workdir: Path,
+    claim_dirs: Mapping[str, Path] | None = None,
 ) -> list[LocalPod]:
     """The local processes of one LLMDeployment, in start order; the public one on `port`."""
-    return plan(resource, model_dir, port, workdir)[0]
+    return plan(resource, model_dir, port, workdir, claim_dirs)[0]
 
 
 def plan(
-    resource: dict[str, Any], model_dir: Path, port: int, workdir: Path
+    resource: dict[str, Any],
+    model_dir: Path,
+    port: int,
+    workdir: Path,
+    claim_dirs: Mapping[str, Path] | None = None,
 ) -> tuple[list[LocalPod], LLMDeploymentSpec]:
     """plan_pods(), and the spec they were rendered from.
 
     An autoscaled pool gets a pod for each of its maxReplicas, those beyond the replicas it
-    starts with turned off: the router knows them all, the autoscaler turns them on.
+    starts with turned off: the router knows them all, the autoscaler turns them on. With
+    spec.adapters, the adapters file lists this machine's folders (`local_adapters`): a pvc
+    adapter's claim is a folder of `claim_dirs`.
     """
     rendered = render(resource, RenderOptions())
     policies = rendered.spec.autoscaling.policies() if rendered.spec.autoscaling else {}
     config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
-    config_dir = workdir / "config"
+    config_dir = local_config_dir(workdir)
     config_dir.mkdir(parents=True, exist_ok=True)
     secret_dir = _local_secrets(rendered, workdir)
-    cache_dir = _local_cache(rendered, workdir)
+    cache_dir = _local_cache(rendered.spec, workdir)
     for key, text in config_map["data"].items():
+        if key == ADAPTERS_KEY:
+            continue  # the pods' mounts: written below with this machine's folders
         text = text.replace(SECRET_DIR, str(secret_dir)).replace(CACHE_DIR, str(cache_dir))
-        (config_dir / key).write_text(text)
+        (config_dir / key).write_text(text.replace(CONFIG_DIR, str(config_dir)))
+    if rendered.spec.adapters is not None:
+        local = local_adapters(rendered.spec, workdir, claim_dirs)
+        try:
+            entries = local.entries(rendered.spec)
+        except AdapterError as error:
+            raise UpError(str(error)) from None
+        write_adapters_file(config_dir / ADAPTERS_KEY, entries)
     deployments = sorted(
         (o for o in rendered.objects if o["kind"] == "Deployment"),
         key=lambda o: START_ORDER.index(o["metadata"]["labels"][COMPONENT_LABEL]),
@@ -201,10 +230,23 @@ def plan(
     return pods, rendered.spec
 
 
-def _local_cache(rendered: Rendered, workdir: Path) -> Path:
+def local_config_dir(workdir: Path) -> Path:
+    """The folder standing for the ConfigMap's mount: every pod's config, the adapters file."""
+    return workdir / "config"
+
+
+def local_adapters(
+    spec: LLMDeploymentSpec, workdir: Path, claim_dirs: Mapping[str, Path] | None = None
+) -> LocalAdapters:
+    """Where this machine has the spec's adapters: `claim_dirs` stand for claims, and fetched
+    ones go to the local model cache."""
+    return LocalAdapters(_local_cache(spec, workdir), dict(claim_dirs or {}))
+
+
+def _local_cache(spec: LLMDeploymentSpec, workdir: Path) -> Path:
     """The folder standing for spec.model.cache: its hostPath where this machine has it (this
     machine is the node), else one under workdir that the local replicas share."""
-    cache = rendered.spec.model.cache
+    cache = spec.model.cache
     if cache is not None and cache.host_path is not None and Path(cache.host_path.path).is_dir():
         return Path(cache.host_path.path)
     return workdir / "model-cache"
@@ -468,7 +510,22 @@ def table(pods: list[LocalPod]) -> Iterator[str]:
         yield f"{pod.role:8} {pod.name:28} {pod.pid or '-':>7}  {pod.url:24} {flags}"
 
 
-def run_up(file: str, model_dir: Path | None, port: int) -> int:
+def adapter_watcher(
+    file: Path,
+    resource: dict[str, Any],
+    spec: LLMDeploymentSpec,
+    workdir: Path,
+    claim_dirs: Mapping[str, Path] | None = None,
+) -> AdapterWatcher:
+    """What follows spec.adapters in `file` into the adapters file plan() wrote in `workdir`."""
+    local = local_adapters(spec, workdir, claim_dirs)
+    adapters_path = local_config_dir(workdir) / ADAPTERS_KEY
+    return AdapterWatcher(file, resource, local, adapters_path, read_adapters_file(adapters_path))
+
+
+def run_up(
+    file: str, model_dir: Path | None, port: int, claim_dirs: Mapping[str, Path] | None = None
+) -> int:
     """The `tidegate up` command: 0 after SIGTERM/Ctrl-C, 1 when it cannot run the file."""
     try:
         resources = load_llm_deployments(file)
@@ -477,7 +534,7 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
         resource = resources[0]
         model = resolve_model_dir(resource, model_dir)
         workdir = Path(tempfile.mkdtemp(prefix="tidegate-up-"))
-        pods, spec = plan(resource, model, port, workdir)
+        pods, spec = plan(resource, model, port, workdir, claim_dirs)
     except (SpecError, UpError) as error:
         print(f"tidegate up: {error}", flush=True)
         return 1
@@ -500,6 +557,10 @@ def run_up(file: str, model_dir: Path | None, port: int) -> int:
         print("\n".join(table(pods)), flush=True)
         print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
         _start_autoscaler(spec, pods, port, supervisor.stopping)
+        watcher = adapter_watcher(Path(file), resource, spec, workdir, claim_dirs)
+        threading.Thread(
+            target=watcher.run, args=(supervisor.stopping,), name="up-adapters", daemon=True
+        ).start()
         while not supervisor.stopping.wait(1.0):
             pass
         return 0

@@ -29,6 +29,9 @@ from tests.operator.crd_validation import (
 from tidegate.operator.autoscaler import PoolSignals, ScalerState, decide, pool_targets
 from tidegate.operator.cluster_scaler import status_entry
 from tidegate.operator.spec import (
+    ADAPTER_IS_NOT_MODEL,
+    ADAPTER_NAME_MESSAGE,
+    ADAPTER_NAMES_UNIQUE,
     API_VERSION,
     AUTOSCALING_ROLES_ONLY,
     AUTOSCALING_UNIFIED_ONLY,
@@ -45,6 +48,7 @@ from tidegate.operator.spec import (
     SpecError,
     parse_spec,
 )
+from tidegate.operator.status import adapter_status
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 PARALLEL_SIZE_MESSAGE = "must be 'auto' or an integer from 1 to 64"
@@ -168,6 +172,20 @@ def test_status_the_autoscaler_writes_is_valid() -> None:
     assert _pruned(SCHEMA["properties"]["status"], status) == []
 
 
+def test_status_the_adapter_report_writes_is_valid() -> None:
+    # What operator/status.py's adapter_status returns, under status.adapters.
+    status = {
+        "adapters": [
+            *adapter_status(["sql"], {"unified": [frozenset({"sql"})]}),
+            *adapter_status(["chat"], {"prefill": [], "decode": [frozenset({"chat"})]}),
+        ]
+    }
+    assert status["adapters"][1]["roles"] == {"prefill": 0, "decode": 1}
+    obj = resource(_spec({}), "llama")
+    assert VALIDATOR.validate_status({**obj, "status": status}) == []
+    assert _pruned(SCHEMA["properties"]["status"], status) == []
+
+
 def _pruned(schema: dict[str, Any], value: Any, path: str = "status") -> list[str]:
     """Paths in `value` that the structural schema does not list (the API server drops them)."""
     if isinstance(value, dict):
@@ -237,7 +255,45 @@ def _row(id: str, patch: dict[str, Any], crd: str, model: str | None, name: str 
     return pytest.param(patch, crd, model, name, id=id)
 
 
+SQL = {"name": "sql", "source": {"pvc": {"claimName": "loras", "path": "sql"}}}
+
 INVALID = [
+    _row(
+        "adapter-names-twice",
+        {"adapters": [SQL, {**SQL, "source": {"uri": "https://l/sql.tar"}}]},
+        f'spec.adapters: Invalid value: "array": {ADAPTER_NAMES_UNIQUE}',
+        f"spec.adapters: {ADAPTER_NAMES_UNIQUE}; given more than once: sql",
+    ),
+    _row(
+        "adapter-is-the-model",
+        {"adapters": [{**SQL, "name": "tiny-llama"}]},
+        f'spec: Invalid value: "object": {ADAPTER_IS_NOT_MODEL}',
+        f"spec: {ADAPTER_IS_NOT_MODEL}",
+    ),
+    _row(
+        "adapter-name-a-path",
+        {"adapters": [{**SQL, "name": "loras/sql"}]},
+        f'spec.adapters[0].name: Invalid value: "string": {ADAPTER_NAME_MESSAGE}',
+        f"spec.adapters.0.name: {ADAPTER_NAME_MESSAGE}",
+    ),
+    _row(
+        "adapter-without-source",
+        {"adapters": [{"name": "sql"}]},
+        "spec.adapters[0].source: Required value",
+        "spec.adapters.0.source: Field required",
+    ),
+    _row(
+        "adapter-of-two-sources",
+        {"adapters": [{**SQL, "source": {"uri": "https://l/s.tar", "hostPath": {"path": "/s"}}}]},
+        f'spec.adapters[0].source: Invalid value: "object": {ONE_SOURCE}',
+        f"spec.adapters.0.source: {ONE_SOURCE}",
+    ),
+    _row(
+        "too-many-adapters",
+        {"adapters": [{**SQL, "name": f"a{i}"} for i in range(65)]},
+        "spec.adapters: Too many: 65: must have at most 64 items",
+        "spec.adapters: List should have at most 64 items",
+    ),
     _row(
         "no-model-source",
         {"model": {"source": {"hostPath": None}}},
@@ -636,7 +692,7 @@ def test_rules_wait_until_the_object_has_its_shape() -> None:
 # -- the typed model and the CRD schema, side by side ------------------------------------------
 
 _ABSENT = object()
-_BOUNDS = ("minimum", "maximum", "minLength", "maxLength", "pattern")
+_BOUNDS = ("minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems")
 
 
 def test_spec_model_matches_crd_schema() -> None:
@@ -674,6 +730,8 @@ def _compare(model: dict, crd: dict, path: str, defs: dict) -> list[str]:
     described = (model.get("description") or "").rstrip(".")
     if described and described not in (crd.get("description") or ""):
         problems.append(f"{path}: the CRD's description does not say {described!r}")
+    if model.get("type") == "array":
+        return problems + _compare(model["items"], crd.get("items", {}), f"{path}[]", defs)
     if model.get("type") != "object":
         return problems
     model_props, crd_props = model.get("properties", {}), crd.get("properties", {})
@@ -904,7 +962,20 @@ def _driven(topology: dict[str, Any], driver: str | None) -> st.SearchStrategy[d
     return policies.map(lambda given: {**given, **extra})
 
 
-_specs = _base_specs.flatmap(_with_autoscaling)
+def _with_adapters(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
+    """`spec`, or `spec` with adapters of distinct names, none the served model's."""
+    names = st.from_regex(r"[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}", fullmatch=True).filter(
+        lambda name: name != spec["model"]["name"]
+    )
+    adapters = st.lists(
+        st.fixed_dictionaries({"name": names, "source": _sources}),
+        max_size=5,
+        unique_by=lambda adapter: adapter["name"],
+    )
+    return st.one_of(st.just(spec), adapters.map(lambda given: {**spec, "adapters": given}))
+
+
+_specs = _base_specs.flatmap(_with_autoscaling).flatmap(_with_adapters)
 
 # Any JSON scalar but an integral float (kubectl sends 2.0 as 2) and null (the apiserver drops
 # it; pydantic refuses it where a field has a non-null default).

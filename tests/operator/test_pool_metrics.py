@@ -16,6 +16,7 @@ from tidegate.operator.pool_metrics import (
     parse_exposition,
     quantile,
     router_pending,
+    served_adapters,
 )
 
 
@@ -105,3 +106,26 @@ def test_latency_is_that_of_the_period_not_of_the_pods_life() -> None:
     assert third.latency_p90_s is not None and third.latency_p90_s < 0.05
     assert (third.running, third.router_pending, third.start_time_s) == (5, 2, 4.0)
     assert third.kv_cache_usage == 0.5
+
+
+def test_the_adapters_an_engine_serves_are_read_from_its_exposition() -> None:
+    # The engine's own metrics module: one series per adapter it serves, none for the others.
+    metrics = PrometheusMetrics("m", compat="vllm", num_engines=2)
+    metrics.enable_lora(max_loras=2)
+    metrics.record_lora_adapters(["sql", "chat"])
+    assert served_adapters(parse_exposition(metrics.render()[0].decode())) == {"sql", "chat"}
+    metrics.record_lora_adapters(["chat"])  # sql unloaded: its series goes
+    assert served_adapters(parse_exposition(metrics.render()[0].decode())) == {"chat"}
+
+
+def test_an_adapter_is_served_only_where_every_series_of_it_says_1() -> None:
+    text = (
+        'tidegate:lora_adapter_ready{adapter="a"} 1\n'
+        'tidegate:lora_adapter_ready{adapter="b"} 0\n'
+        'tidegate:lora_adapter_ready{adapter="c",engine="0"} 1\n'
+        'tidegate:lora_adapter_ready{adapter="c",engine="1"} 0\n'
+        "tidegate:lora_adapter_ready 1\n"
+        'tidegate:num_requests_running{adapter="d"} 1\n'
+    )
+    assert served_adapters(parse_exposition(text)) == {"a"}
+    assert served_adapters(parse_exposition("")) == frozenset()

@@ -169,6 +169,9 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
 
 HOST_CACHE = {"hostPath": {"path": "/var/cache/tidegate"}}
 PVC_CACHE = {"pvc": {"claimName": "model-cache"}}
+LORA_CLAIM = {"pvc": {"claimName": "loras", "path": "sql"}}
+HOST_LORA = {"hostPath": {"path": "/srv/loras/chat"}}
+ADAPTER_SQL = {"name": "sql", "source": LORA_CLAIM}
 
 TABLE = {
     "unified-cpu-hostpath": {"model": model()},
@@ -255,6 +258,24 @@ TABLE = {
             },
         },
     },
+    "adapters-every-source": {
+        "model": model({"pvc": {"claimName": "models", "path": "llama"}}),
+        "adapters": [
+            {"name": "sql", "source": {"pvc": {"claimName": "models", "path": "loras/sql"}}},
+            {"name": "chat", "source": {"pvc": {"claimName": "loras"}}},
+            {"name": "Support_v2.1", "source": {"hostPath": {"path": "/srv/loras/support"}}},
+            {"name": "web", "source": {"uri": "https://loras.example/web.tar.gz"}},
+        ],
+    },
+    "adapters-disaggregated-cache": {
+        "model": model({"uri": "https://models.example/llama.tar.gz"}, cache=PVC_CACHE),
+        "topology": disaggregated(),
+        "adapters": [
+            {"name": "web", "source": {"uri": "https://loras.example/web.tar.gz"}},
+            {"name": "cached", "source": {"pvc": {"claimName": "model-cache", "path": "l/c"}}},
+        ],
+    },
+    "adapters-none-yet": {"model": model(), "adapters": []},
     "user-set-chunks": {
         "model": model(parameterCount=7 * TINY),
         "accelerator": gpus(2),
@@ -371,6 +392,8 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
     )
     if draw(st.booleans()):
         spec["autoscaling"] = draw(autoscaling_for(spec["topology"]))
+    if draw(st.booleans()):
+        spec["adapters"] = draw(adapters_besides(model_part["name"]))
     spec.update(
         draw(
             st.fixed_dictionaries(
@@ -413,6 +436,31 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
     return spec
 
 
+ADAPTER_SOURCES = st.one_of(
+    st.builds(
+        lambda claim, path: {"pvc": {"claimName": claim, "path": path}},
+        st.sampled_from(["models", "loras", "model-cache"]),
+        st.sampled_from(["", "a", "/l/b/"]),
+    ),
+    st.sampled_from(["/srv/l/a", "/srv/l/b"]).map(lambda path: {"hostPath": {"path": path}}),
+    st.sampled_from(["https://h.example/a.tar", "file:///seed/b.tgz"]).map(lambda u: {"uri": u}),
+)
+
+
+def adapters_besides(model_name: str) -> st.SearchStrategy[list[dict[str, Any]]]:
+    """spec.adapters: distinct names, none the served model's."""
+    names = st.from_regex(r"[a-zA-Z0-9][a-zA-Z0-9._-]{0,20}", fullmatch=True)
+    return st.lists(
+        st.fixed_dictionaries({"name": names.filter(lambda n: n != model_name)}),
+        max_size=4,
+        unique_by=lambda adapter: adapter["name"],
+    ).flatmap(
+        lambda named: st.tuples(*(ADAPTER_SOURCES for _ in named)).map(
+            lambda sources: [{**a, "source": s} for a, s in zip(named, sources, strict=True)]
+        )
+    )
+
+
 @st.composite
 def autoscaling_for(draw: st.DrawFn, topology: dict[str, Any]) -> dict[str, Any]:
     """A driver and a policy per pool; minReplicas 0 where the driver and a router allow it."""
@@ -442,6 +490,8 @@ def test_generated_specs_render_objects_kubernetes_accepts(spec, name, namespace
         assert_valid(rendered.objects, version)
     for role in rendered.tuning.roles:
         assert role_config(rendered, role)["served-model-name"] == [spec["model"]["name"]]
+    if "adapters" in spec:
+        assert_every_adapter_is_in_every_engine_pod(rendered)
 
 
 # --- objects and how they find each other ----------------------------------------------------
@@ -707,6 +757,8 @@ CONFIG_CASES = [
     "eight-gpus-70b",
     "disaggregated-gpu-uri-auth",
     "uri-cache-pvc-disaggregated",
+    "adapters-every-source",
+    "adapters-disaggregated-cache",
 ]
 
 
@@ -1275,6 +1327,22 @@ def test_rendering_is_deterministic_and_leaves_the_resource_alone(case: str) -> 
         ({"model": model(), "modle": {}}, "spec.modle"),
         ({"model": model(), "service": {"port": 0}}, "spec.service.port"),
         ({"model": model(), "resources": {"memory": "4 GB"}}, "spec.resources.memory"),
+        (
+            {"model": model(), "adapters": [ADAPTER_SQL, {**ADAPTER_SQL, "source": HOST_LORA}]},
+            "spec.adapters: adapter names must be unique; given more than once: sql",
+        ),
+        (
+            {"model": model(), "adapters": [{**ADAPTER_SQL, "name": "-sql"}]},
+            "spec.adapters.0.name: must be 1 to 63 letters, digits, '.', '_' or '-'",
+        ),
+        (
+            {"model": model(), "adapters": [{**ADAPTER_SQL, "name": "tiny-llama"}]},
+            "spec: an adapter's name must differ from model.name",
+        ),
+        (
+            {"model": model(), "adapters": [{"name": "sql", "source": {"s3": "bucket/sql"}}]},
+            'unknown field "spec.adapters.0.source.s3"',
+        ),
     ],
     ids=[
         "no-source",
@@ -1285,6 +1353,10 @@ def test_rendering_is_deterministic_and_leaves_the_resource_alone(case: str) -> 
         "typo",
         "port-0",
         "memory",
+        "adapter-twice",
+        "adapter-name",
+        "adapter-is-the-model",
+        "adapter-source",
     ],
 )
 def test_an_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], field: str) -> None:
@@ -1349,3 +1421,225 @@ def test_endpoint_is_the_public_service_url(topology: dict[str, Any]) -> None:
 def test_endpoint_follows_the_service_port_and_default_namespace() -> None:
     rendered = render_spec({"model": model(), "service": {"port": 443}}, namespace=None)
     assert rendered.endpoint == "http://llm.default.svc:443/v1"
+
+
+# --- LoRA adapters ----------------------------------------------------------------------------
+
+PVC_MODEL = model({"pvc": {"claimName": "models", "path": "llama"}})
+
+
+def adapters_listed(rendered: Rendered) -> list[dict[str, Any]]:
+    """The ConfigMap's adapters.yaml, as the engine reads it: a list of {name, path}."""
+    return yaml.safe_load(config_map(rendered)["data"]["adapters.yaml"])
+
+
+def assert_every_adapter_is_in_every_engine_pod(rendered: Rendered) -> None:
+    """Each listed folder lies on a volume the engine mounts, and a fetched one is fetched
+    there first, in every engine pool."""
+    listed = adapters_listed(rendered)
+    assert [a["name"] for a in listed] == [a.name for a in rendered.spec.adapters or []]
+    for deployment in deployments(rendered):
+        if main_container(deployment)["name"] != "engine":
+            continue
+        mounts = main_container(deployment)["volumeMounts"]
+        fetched = {
+            container["args"][-1]
+            for container in pod_spec(deployment).get("initContainers", [])
+            if container["name"].startswith("fetch-adapter-")
+        }
+        volumes = {v["name"] for v in pod_spec(deployment)["volumes"]}
+        for adapter in listed:
+            path = adapter["path"]
+            (on,) = [
+                m for m in mounts if path == m["mountPath"] or path.startswith(f"{m['mountPath']}/")
+            ]
+            assert on["name"] in volumes and "subPath" not in on
+            source = next(
+                a.source for a in rendered.spec.adapters or [] if a.name == adapter["name"]
+            )
+            assert (source.uri is not None) == (path in fetched), adapter
+
+
+def test_adapters_turn_lora_on_in_every_engine_role_and_the_router_keeps_its_file() -> None:
+    for topology, roles in (({}, ["unified"]), (disaggregated(), ["prefill", "decode"])):
+        rendered = render_spec({"model": model(), "topology": topology, "adapters": [ADAPTER_SQL]})
+        for role in roles:
+            flags = role_config(rendered, role)
+            assert flags["enable-lora"] is True
+            assert flags["lora-modules-file"] == "/etc/tidegate/adapters.yaml"
+        if topology:
+            assert not {"enable-lora", "lora-modules-file"} & set(role_config(rendered, "router"))
+        assert adapters_listed(rendered) == [{"name": "sql", "path": "/adapters/pvc/loras/sql"}]
+
+
+def test_without_spec_adapters_lora_stays_off() -> None:
+    rendered = render_spec({"model": model()})
+    assert "enable-lora" not in role_config(rendered, "unified")
+    assert set(config_map(rendered)["data"]) == {"unified.yaml"}
+    mount_paths = [m["mountPath"] for m in main_container(deployments(rendered)[0])["volumeMounts"]]
+    assert not [path for path in mount_paths if path.startswith("/adapters")]
+
+
+def test_an_empty_list_turns_lora_on_with_no_adapter() -> None:
+    rendered = render_spec({"model": model(), "adapters": []})
+    assert role_config(rendered, "unified")["enable-lora"] is True
+    assert adapters_listed(rendered) == []
+
+
+@pytest.mark.parametrize("case", ["adapters-every-source", "adapters-disaggregated-cache"])
+def test_each_adapter_is_listed_at_its_folder_in_the_pod(case: str) -> None:
+    assert_every_adapter_is_in_every_engine_pod(render_spec(TABLE[case]))
+
+
+def test_prefill_and_decode_serve_the_same_adapters_from_the_same_folders() -> None:
+    rendered = render_spec(TABLE["adapters-every-source"] | {"topology": disaggregated()})
+    prefill, decode = (
+        find(rendered, "Deployment", f"llm-{role}") for role in ("prefill", "decode")
+    )
+    for key in ("volumes", "initContainers"):
+        assert pod_spec(prefill)[key] == pod_spec(decode)[key]
+    adapter_mounts = [
+        [m for m in main_container(d)["volumeMounts"] if m["mountPath"].startswith("/adapters")]
+        for d in (prefill, decode)
+    ]
+    assert adapter_mounts[0] == adapter_mounts[1] and adapter_mounts[0]
+    assert (
+        role_config(rendered, "prefill")["lora-modules-file"]
+        == (role_config(rendered, "decode")["lora-modules-file"])
+    )
+
+
+def test_a_claim_is_mounted_whole_once_read_only_whatever_its_adapters() -> None:
+    rendered = render_spec(TABLE["adapters-every-source"])
+    (deployment,) = deployments(rendered)
+    container = main_container(deployment)
+    # The model's claim: one volume, mounted at /model (its folder) and whole for adapters.
+    claims = [v for v in pod_spec(deployment)["volumes"] if "persistentVolumeClaim" in v]
+    assert sorted(v["persistentVolumeClaim"]["claimName"] for v in claims) == ["loras", "models"]
+    assert all(v["persistentVolumeClaim"]["readOnly"] for v in claims)
+    whole = mount(container, "/adapters/pvc/models")
+    assert whole == {
+        "name": mount(container, "/model")["name"],
+        "mountPath": "/adapters/pvc/models",
+        "readOnly": True,
+    }
+    assert mount(container, "/adapters/pvc/loras")["readOnly"] is True
+    assert [a["path"] for a in adapters_listed(rendered)][:2] == [
+        "/adapters/pvc/models/loras/sql",
+        "/adapters/pvc/loras",
+    ]
+
+
+def test_a_claim_the_cache_already_is_mounted_again_not_claimed_twice() -> None:
+    rendered = render_spec(TABLE["adapters-disaggregated-cache"])
+    for deployment in deployments(rendered):
+        if main_container(deployment)["name"] != "engine":
+            continue
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod_spec(deployment)["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
+        assert claims == ["model-cache"]
+        again = mount(main_container(deployment), "/adapters/pvc/model-cache")
+        assert again == {
+            "name": "model-cache",
+            "mountPath": "/adapters/pvc/model-cache",
+            "readOnly": True,
+        }
+
+
+def test_a_uri_adapter_is_fetched_by_an_init_container_into_the_pod() -> None:
+    rendered = render_spec(TABLE["adapters-every-source"])
+    (deployment,) = deployments(rendered)
+    (fetch,) = pod_spec(deployment)["initContainers"]
+    (web,) = [a for a in adapters_listed(rendered) if a["name"] == "web"]
+    assert fetch["name"].startswith("fetch-adapter-")
+    assert fetch["args"] == ["fetch-model", "https://loras.example/web.tar.gz", web["path"]]
+    assert mount(fetch, "/adapters/fetched")["name"] == "adapters-fetched"
+    assert volume(deployment, "adapters-fetched") == {"name": "adapters-fetched", "emptyDir": {}}
+    assert mount(main_container(deployment), "/adapters/fetched")["readOnly"] is True
+
+
+def test_a_uri_adapter_goes_to_the_shared_cache_once_for_every_pod() -> None:
+    rendered = render_spec(TABLE["adapters-disaggregated-cache"])
+    (web,) = [a for a in adapters_listed(rendered) if a["name"] == "web"]
+    assert web["path"].startswith("/var/cache/tidegate/adapters/")
+    for role in ("prefill", "decode"):
+        inits = pod_spec(find(rendered, "Deployment", f"llm-{role}"))["initContainers"]
+        assert inits[0]["name"] == "fetch-model"  # the model first
+        (fetch,) = [c for c in inits if c["name"].startswith("fetch-adapter-")]
+        assert fetch["args"] == [
+            "fetch-model",
+            "--shared",
+            "https://loras.example/web.tar.gz",
+            web["path"],
+        ]
+        assert mount(fetch, "/var/cache/tidegate")["name"] == "model-cache"
+
+
+def test_a_node_folder_is_a_read_only_directory_of_its_own() -> None:
+    rendered = render_spec({"model": model(), "adapters": [{"name": "chat", "source": HOST_LORA}]})
+    (deployment,) = deployments(rendered)
+    (chat,) = adapters_listed(rendered)
+    on = mount(main_container(deployment), chat["path"])
+    assert on["readOnly"] is True
+    assert volume(deployment, on["name"])["hostPath"] == {
+        "path": "/srv/loras/chat",
+        "type": "Directory",
+    }
+
+
+LORA_ON = {"model": PVC_MODEL, "adapters": []}
+
+
+@pytest.mark.parametrize(
+    "adapters",
+    [
+        [{"name": "sql", "source": {"pvc": {"claimName": "models", "path": "loras/sql"}}}],
+        [
+            {"name": "sql", "source": {"pvc": {"claimName": "models", "path": "loras/sql"}}},
+            {"name": "root", "source": {"pvc": {"claimName": "models"}}},
+        ],
+    ],
+    ids=["one-beside-the-model", "two-beside-the-model"],
+)
+def test_adapters_on_the_models_claim_come_and_go_without_rolling_a_pod(adapters) -> None:
+    for topology in ({}, disaggregated()):
+        before = LORA_ON | {"topology": topology}
+        assert hashes(before) == hashes(before | {"adapters": adapters})
+
+
+def test_adding_removing_or_reordering_adapters_of_a_mounted_volume_rolls_no_pod() -> None:
+    chat = {"name": "chat", "source": HOST_LORA}
+    sql2 = {"name": "sql2", "source": {"pvc": {"claimName": "loras", "path": "sql-v2"}}}
+    web = {"name": "web", "source": {"uri": "https://loras.example/web.tar.gz"}}
+    base = {"model": model(), "adapters": [ADAPTER_SQL, chat, web]}
+    assert hashes(base) == hashes(base | {"adapters": [web, chat, ADAPTER_SQL]})
+    assert hashes(base) == hashes(base | {"adapters": [ADAPTER_SQL, chat, web, sql2]})
+    assert hashes(base) == hashes(base | {"adapters": [sql2, chat, web]})
+    # Two adapters of one node folder or one archive: the same volume, the same fetch.
+    assert hashes(base) == hashes(base | {"adapters": [*base["adapters"], {**chat, "name": "c2"}]})
+    assert hashes(base) == hashes(base | {"adapters": [*base["adapters"], {**web, "name": "w2"}]})
+
+
+@pytest.mark.parametrize(
+    "added",
+    [
+        {"pvc": {"claimName": "more-loras", "path": "x"}},
+        {"hostPath": {"path": "/srv/loras/other"}},
+        {"uri": "https://loras.example/other.tar.gz"},
+    ],
+    ids=["new-claim", "new-node-folder", "new-uri"],
+)
+def test_an_adapter_that_needs_a_new_volume_or_fetch_rolls_the_pods(added) -> None:
+    split = LORA_ON | {"topology": disaggregated()}
+    before = hashes(split)
+    after = hashes(split | {"adapters": [{"name": "new", "source": added}]})
+    assert before["llm-prefill"] != after["llm-prefill"]
+    assert before["llm-decode"] != after["llm-decode"]
+    assert before["llm-router"] == after["llm-router"]
+
+
+def test_turning_lora_on_or_off_rolls_the_pods() -> None:
+    assert hashes({"model": PVC_MODEL}) != hashes(LORA_ON)

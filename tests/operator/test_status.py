@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tidegate.operator.status import compute_status, merge_patch, role_state
+from tidegate.operator.status import adapter_status, compute_status, merge_patch, role_state
 
 NOW, LATER = "2026-11-29T10:00:00Z", "2026-11-29T11:00:00Z"
 
@@ -148,3 +148,31 @@ def test_merge_patch_removes_what_is_gone_and_keeps_what_is_equal() -> None:
         "effective": {"roles": {"unified": None, "prefill": {"a": 1}}},
         "endpoint": None,
     }
+
+
+# -- status.adapters ---------------------------------------------------------------------------
+
+
+def test_an_adapter_counts_the_ready_pods_that_serve_it_in_spec_order() -> None:
+    pods = [frozenset({"sql", "chat"}), frozenset({"sql"}), frozenset()]
+    assert adapter_status(["sql", "chat", "new"], {"unified": pods}) == [
+        {"name": "sql", "readyReplicas": 2},
+        {"name": "chat", "readyReplicas": 1},
+        {"name": "new", "readyReplicas": 0},
+    ]
+
+
+def test_in_p_d_an_adapter_is_as_ready_as_the_scarcer_pool() -> None:
+    served = {
+        "prefill": [frozenset({"sql"})],
+        "decode": [frozenset({"sql", "chat"}), frozenset({"sql", "chat"})],
+    }
+    assert adapter_status(["sql", "chat"], served) == [
+        {"name": "sql", "readyReplicas": 1, "roles": {"prefill": 1, "decode": 2}},
+        {"name": "chat", "readyReplicas": 0, "roles": {"prefill": 0, "decode": 2}},
+    ]
+
+
+def test_a_pool_without_ready_pods_serves_no_adapter() -> None:
+    assert adapter_status(["sql"], {"unified": []}) == [{"name": "sql", "readyReplicas": 0}]
+    assert adapter_status([], {"unified": [frozenset({"sql"})]}) == []

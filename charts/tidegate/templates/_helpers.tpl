@@ -103,7 +103,8 @@ operator's code and compares.
   resources: ["scaledobjects"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler (driver operator) lists a pool's pods to scrape their /metrics, and
-# annotates them with controller.kubernetes.io/pod-deletion-cost before a scale-down.
+# annotates them with controller.kubernetes.io/pod-deletion-cost before a scale-down; the
+# report of LoRA adapters (status.adapters) lists and scrapes the engine pods too.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "patch"]
