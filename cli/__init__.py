@@ -41,7 +41,7 @@ COMMANDS: dict[str, Command] = {
         ("engine",),
     ),
     "bench": Command("tidegate.engine.bench.cli", "benchmarks", ("bench", "engine")),
-    "fetch-model": Command(_ENGINE, "put a model folder in place (init containers)"),
+    "fetch-model": Command(_ENGINE, "put a model or adapter folder in place (init containers)"),
     "plan": Command(_OPERATOR, "what the operator would create for a manifest, and why"),
     "up": Command(
         _OPERATOR, "run an LLMDeployment's pods on this machine, as in a cluster", ("engine",)

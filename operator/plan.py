@@ -7,9 +7,8 @@ from typing import Any, TextIO
 import yaml
 
 from tidegate.operator.autoscaler import DEFAULT_START_TIME_S, pool_targets, starting_replicas
-from tidegate.operator.render import Rendered, RenderOptions, render
-from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec
-from tidegate.operator.tuning import Tuning
+from tidegate.operator.render import ADAPTERS_KEY, Rendered, RenderOptions, lora_limits, render
+from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec, ModelSource
 
 
 class _BlockDumper(yaml.SafeDumper):
@@ -38,6 +37,8 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
         for role, row in _scaling_rows(rendered.spec):
             if row[0] == "replicas":
                 out.write(f"#   {role}.replicas={row[1]}: {row[2]}\n")
+        if rendered.spec.adapters is not None:
+            out.write(f"#   {_adapters_heading(rendered.spec)}\n")
         for obj in rendered.objects:
             out.write("---\n")
             out.write(yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=100))
@@ -51,20 +52,60 @@ def write_table(resources: list[dict[str, Any]], plans: list[Rendered], out: Tex
         rows = [(obj["kind"], obj["metadata"]["name"]) for obj in rendered.objects]
         out.write(_table(("KIND", "NAME"), rows))
         out.write("\n")
-        out.write(_table(("ROLE", "FLAG", "VALUE", "REASON"), _tuning_rows(rendered.tuning)))
+        out.write(_table(("ROLE", "FLAG", "VALUE", "REASON"), _tuning_rows(rendered)))
         out.write("\n")
+        if rendered.spec.adapters is not None:
+            out.write(_adapters_section(rendered))
+            out.write("\n")
         rows = [(role, *row) for role, row in _scaling_rows(rendered.spec)]
         out.write(_table(("ROLE", "SCALING", "VALUE", "REASON"), rows))
         out.write("\n")
 
 
-def _tuning_rows(tuning: Tuning) -> list[tuple[str, ...]]:
+def _tuning_rows(rendered: Rendered) -> list[tuple[str, ...]]:
+    """Each role's tuned flags, then its LoRA limits (the same in every role)."""
+    limits = lora_limits(rendered.spec)
     rows = []
-    for role, role_tuning in tuning.roles.items():
+    for role, role_tuning in rendered.tuning.roles.items():
         for name, choice in role_tuning.choices().items():
             value = f"{choice.value}" + (" (set)" if choice.user_set else "")
             rows.append((role, name, value, choice.reason))
+        for limit in limits:
+            value = f"{limit.value}" + (" (set)" if limit.user_set else "")
+            rows.append((role, limit.name, value, limit.reason))
     return rows
+
+
+def _adapters_heading(spec: LLMDeploymentSpec) -> str:
+    """How many adapters every engine role serves, and their names."""
+    adapters = spec.adapters or []
+    if not adapters:
+        return "adapters: none yet (LoRA is on, the list is empty)"
+    names = ", ".join(adapter.name for adapter in adapters)
+    return f"adapters: {len(adapters)}, served by every engine role: {names}"
+
+
+def _adapters_section(rendered: Rendered) -> str:
+    """The adapters heading, and each adapter's source and folder in the pods."""
+    heading = _adapters_heading(rendered.spec) + "\n"
+    config_map = next(obj for obj in rendered.objects if obj["kind"] == "ConfigMap")
+    listed = yaml.safe_load(config_map["data"][ADAPTERS_KEY]) or []
+    folders = {entry["name"]: entry["path"] for entry in listed}
+    rows = [
+        (adapter.name, _source_text(adapter.source), folders[adapter.name])
+        for adapter in rendered.spec.adapters or []
+    ]
+    if not rows:
+        return heading
+    return heading + "\n" + _table(("ADAPTER", "SOURCE", "FOLDER IN THE PODS"), rows)
+
+
+def _source_text(source: ModelSource) -> str:
+    if source.pvc is not None:
+        return f"pvc {source.pvc.claim_name}" + (f":{source.pvc.path}" if source.pvc.path else "")
+    if source.host_path is not None:
+        return f"hostPath {source.host_path.path}"
+    return f"uri {source.uri}"
 
 
 # Who sets an autoscaled pool's replicas, by spec.autoscaling.driver.

@@ -16,6 +16,7 @@ commented with its reason. With spec.adapters, every role's file turns LoRA on a
 `/etc/tidegate/adapters.yaml`, the ConfigMap's list of adapters, which the engines read again
 when it changes; it stays out of the pods' spec hash, so an adapter whose folder the pods
 already mount comes and goes without a restart (`adapter_layout` says where each one is).
+spec.lora's limits, by contrast, are flags of every role's file: changing one rolls the pods.
 With `autoscaling.driver` keda or hpa, each autoscaled pool also gets a KEDA ScaledObject or
 an HPA (`operator/render_scalers.py`). An autoscaled pool's
 Deployment carries its starting replicas, for its creation only: its driver (the operator's
@@ -218,6 +219,12 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         reasons["lora_modules_file"] = (
             "spec.adapters: the adapters to serve; read again whenever the file changes"
         )
+        # Only the limits given: an absent one stays the engine's default, and a spec without
+        # spec.lora renders (and hashes) as it did before the field existed.
+        for limit in lora_limits(spec):
+            if limit.user_set:
+                values[limit.field] = limit.value
+                reasons[limit.field] = limit.reason
     choices = {
         "tensor_parallel_size": tuning.tensor_parallel_size,
         "data_parallel_size_local": tuning.data_parallel_size_local,
@@ -230,6 +237,46 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     values.update(_tenancy_values(spec))
     _check_fields(values, EngineArgs, ServerArgs)
     return _config_text(f"tidegate serve --config: {tuning.role} pods", values, reasons)
+
+
+@dataclass(frozen=True)
+class LoRALimit:
+    """One of the engines' LoRA limits: its EngineArgs field, value, and why that value."""
+
+    field: str
+    name: str  # of spec.lora
+    value: int
+    reason: str
+    user_set: bool
+
+
+# spec.lora's fields by the engine flag each one sets, with what the flag does.
+_LORA_LIMITS = {
+    "max_loras": ("maxLoras", "distinct adapters one step mixes; requests of others wait"),
+    "max_lora_rank": ("maxLoraRank", "the largest adapter rank served"),
+    "max_cpu_loras": ("maxCpuLoras", "adapters kept in host memory, least recently used out"),
+}
+
+
+def lora_limits(spec: LLMDeploymentSpec) -> list[LoRALimit]:
+    """The LoRA limits every engine role runs with: spec.lora's, else the engine's defaults."""
+    if spec.adapters is None:
+        return []
+    given = spec.lora.model_dump() if spec.lora is not None else {}
+    limits = []
+    for field, (name, what) in _LORA_LIMITS.items():
+        value = given.get(field)
+        if value is not None:
+            reason = f"spec.lora.{name}: {what}"
+            limits.append(LoRALimit(field, name, value, reason, user_set=True))
+            continue
+        default = EngineArgs.model_fields[field].default
+        reason = f"the engine's default: {what}"
+        if default is None:  # max_cpu_loras: max_loras, whichever way that was set
+            default = next(limit.value for limit in limits if limit.field == "max_loras")
+            reason = f"maxLoras, the engine's default: {what}"
+        limits.append(LoRALimit(field, name, default, reason, user_set=False))
+    return limits
 
 
 def _router_config(ctx: _Context) -> str:

@@ -241,6 +241,48 @@ class AdapterSpec(SpecModel):
     )
 
 
+# spec.lora: the engine's LoRA limits. A step's slots and the host-memory cache hold adapters of
+# spec.adapters only (the operator turns no runtime loading on), so neither needs to exceed it.
+MAX_LORA_RANK = 512
+CPU_LORAS_AT_LEAST_LORAS = (
+    "maxCpuLoras must be at least maxLoras: every adapter of a step is also held in host memory"
+)
+LORA_NEEDS_ADAPTERS = (
+    "lora is only allowed together with adapters: its limits are on serving spec.adapters, and "
+    "without adapters LoRA is off"
+)
+
+
+class LoRASpec(SpecModel):
+    """The engines' limits on serving spec.adapters; absent ones keep the engine's defaults."""
+
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="Distinct adapters one engine step may mix (engine max_loras).",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_LORA_RANK,
+        description="The largest adapter rank the engines accept (engine max_lora_rank).",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="Adapters each engine worker keeps in host memory (engine max_cpu_loras).",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_a_step(self) -> LoRASpec:
+        low, high = self.max_loras, self.max_cpu_loras
+        if low is not None and high is not None and high < low:
+            raise ValueError(CPU_LORAS_AT_LEAST_LORAS)
+        return self
+
+
 def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
     names = [adapter.name for adapter in adapters]
     twice = sorted({name for name in names if names.count(name) > 1})
@@ -530,6 +572,7 @@ class LLMDeploymentSpec(SpecModel):
         None,
         description="LoRA adapters every engine serves beside the model; absent: LoRA is off.",
     )
+    lora: LoRASpec | None = None
     image: (
         Annotated[
             str,
@@ -578,6 +621,12 @@ class LLMDeploymentSpec(SpecModel):
         for adapter in self.adapters or []:
             if adapter.name == self.model.name:
                 raise ValueError(f"{ADAPTER_IS_NOT_MODEL} ({adapter.name!r} is both)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_adapters(self) -> LLMDeploymentSpec:
+        if self.lora is not None and self.adapters is None:
+            raise ValueError(LORA_NEEDS_ADAPTERS)
         return self
 
     def has_router(self) -> bool:

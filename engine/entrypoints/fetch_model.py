@@ -1,7 +1,8 @@
-"""`tidegate fetch-model URI DIR`: put a model folder where a pod expects it (init container).
+"""`tidegate fetch-model URI DIR`: put a model or adapter folder where a pod expects it.
 
-The URI names a .tar, .tar.gz or .tgz of a Hugging Face model folder, over http(s) or as a
-file:// path (a file:// directory is copied). A finished fetch leaves a marker, so a restarted
+The URI names a .tar, .tar.gz or .tgz of a Hugging Face model folder (config.json at its top)
+or of a LoRA adapter folder (PEFT's adapter_config.json), over http(s) or as a file:// path
+(a file:// directory is copied). A finished fetch leaves a marker, so a restarted
 init container does nothing; an interrupted one starts over. Archive members that would land
 outside DIR (absolute paths, `..`, links out) are refused.
 
@@ -25,6 +26,10 @@ from pathlib import Path
 
 DONE_MARKER = ".tidegate-fetched"
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+# What marks a folder as one the engine can serve: a model's config, or a LoRA adapter's
+# (spec.adapters' uri sources are fetched by this command too). Names, not the engine's
+# constants: fetch-model runs from the base install, which has no torch to import them with.
+FOLDER_MARKERS = ("config.json", "adapter_config.json")
 
 
 class FetchError(ValueError):
@@ -115,9 +120,17 @@ def _fill(uri: str, folder: Path, timeout_s: float) -> None:
         finally:
             archive.unlink(missing_ok=True)
         _lift_single_folder(folder)
-    if not (folder / "config.json").exists():
-        raise FetchError(f"{uri} holds no config.json at its top level: not a model folder")
+    if not _is_servable(folder):
+        raise FetchError(
+            f"{uri} holds neither config.json nor adapter_config.json at its top level: "
+            "not a model folder nor a LoRA adapter folder"
+        )
     (folder / DONE_MARKER).write_text(uri)
+
+
+def _is_servable(folder: Path) -> bool:
+    """Whether `folder` is a model's or a LoRA adapter's: its marker file is at the top."""
+    return any((folder / name).is_file() for name in FOLDER_MARKERS)
 
 
 def _remove(path: Path) -> None:
@@ -144,7 +157,7 @@ def _extract(archive: Path, dest: Path) -> None:
 def _lift_single_folder(dest: Path) -> None:
     # An archive of `name/…` rather than of the folder's contents: lift the one folder up.
     entries = list(dest.iterdir())
-    if len(entries) == 1 and entries[0].is_dir() and not (dest / "config.json").exists():
+    if len(entries) == 1 and entries[0].is_dir() and not _is_servable(dest):
         inner = entries[0]
         for child in inner.iterdir():
             child.rename(dest / child.name)

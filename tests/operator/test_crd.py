@@ -35,10 +35,12 @@ from tidegate.operator.spec import (
     API_VERSION,
     AUTOSCALING_ROLES_ONLY,
     AUTOSCALING_UNIFIED_ONLY,
+    CPU_LORAS_AT_LEAST_LORAS,
     GROUP,
     HPA_CANNOT_REACH_ZERO,
     KEDA_NEEDS_PROMETHEUS,
     KIND,
+    LORA_NEEDS_ADAPTERS,
     PLURAL,
     UNIFIED_ROUTER_NEEDS_ZERO,
     VERSION,
@@ -293,6 +295,38 @@ INVALID = [
         {"adapters": [{**SQL, "name": f"a{i}"} for i in range(65)]},
         "spec.adapters: Too many: 65: must have at most 64 items",
         "spec.adapters: List should have at most 64 items",
+    ),
+    _row(
+        "lora-without-adapters",
+        {"lora": {"maxLoras": 2}},
+        f'spec: Invalid value: "object": {LORA_NEEDS_ADAPTERS}',
+        f"spec: {LORA_NEEDS_ADAPTERS}",
+    ),
+    _row(
+        "cpu-loras-below-loras",
+        {"adapters": [SQL], "lora": {"maxLoras": 4, "maxCpuLoras": 2}},
+        f'spec.lora: Invalid value: "object": {CPU_LORAS_AT_LEAST_LORAS}',
+        f"spec.lora: {CPU_LORAS_AT_LEAST_LORAS}",
+    ),
+    _row(
+        "lora-rank-above-512",
+        {"adapters": [SQL], "lora": {"maxLoraRank": 1024}},
+        "spec.lora.maxLoraRank: Invalid value: 1024: spec.lora.maxLoraRank in body should be "
+        "less than or equal to 512",
+        "spec.lora.maxLoraRank: Input should be less than or equal to 512",
+    ),
+    _row(
+        "max-loras-0",
+        {"adapters": [SQL], "lora": {"maxLoras": 0}},
+        "spec.lora.maxLoras: Invalid value: 0: spec.lora.maxLoras in body should be greater "
+        "than or equal to 1",
+        "spec.lora.maxLoras: Input should be greater than or equal to 1",
+    ),
+    _row(
+        "lora-unknown-limit",
+        {"adapters": [SQL], "lora": {"maxLoraSlots": 2}},
+        'unknown field "spec.lora.maxLoraSlots"',
+        'unknown field "spec.lora.maxLoraSlots"',
     ),
     _row(
         "no-model-source",
@@ -962,8 +996,25 @@ def _driven(topology: dict[str, Any], driver: str | None) -> st.SearchStrategy[d
     return policies.map(lambda given: {**given, **extra})
 
 
+# spec.lora's limits: maxCpuLoras drawn from maxLoras up, so that the pair holds the rule.
+_lora_limits = st.integers(1, 64).flatmap(
+    lambda loras: _some(
+        maxLoras=st.just(loras),
+        maxLoraRank=st.integers(1, 512),
+        maxCpuLoras=st.integers(loras, 64),
+    )
+)
+
+
+def _with_lora(drawn: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    """A spec with adapters, and spec.lora when any limit was drawn."""
+    spec, limits = drawn
+    return {**spec, "lora": limits} if limits else spec
+
+
 def _with_adapters(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
-    """`spec`, or `spec` with adapters of distinct names, none the served model's."""
+    """`spec`, or `spec` with adapters of distinct names, none the served model's, and
+    perhaps spec.lora's limits."""
     names = st.from_regex(r"[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}", fullmatch=True).filter(
         lambda name: name != spec["model"]["name"]
     )
@@ -972,7 +1023,8 @@ def _with_adapters(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
         max_size=5,
         unique_by=lambda adapter: adapter["name"],
     )
-    return st.one_of(st.just(spec), adapters.map(lambda given: {**spec, "adapters": given}))
+    with_adapters = adapters.map(lambda given: {**spec, "adapters": given})
+    return st.one_of(st.just(spec), st.tuples(with_adapters, _lora_limits).map(_with_lora))
 
 
 _specs = _base_specs.flatmap(_with_autoscaling).flatmap(_with_adapters)

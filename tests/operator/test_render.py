@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import io
 import json
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
 from tidegate.operator.kube import OWNED_KINDS
 from tidegate.operator.manifest import load_llm_deployments
+from tidegate.operator.plan import write_table
 from tidegate.operator.render import (
     DEFAULT_ENGINE_IMAGE,
     SPEC_HASH,
@@ -276,6 +278,12 @@ TABLE = {
         ],
     },
     "adapters-none-yet": {"model": model(), "adapters": []},
+    "adapters-lora-limits-disaggregated": {
+        "model": model(),
+        "topology": disaggregated(),
+        "adapters": [ADAPTER_SQL],
+        "lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8},
+    },
     "user-set-chunks": {
         "model": model(parameterCount=7 * TINY),
         "accelerator": gpus(2),
@@ -759,6 +767,7 @@ CONFIG_CASES = [
     "uri-cache-pvc-disaggregated",
     "adapters-every-source",
     "adapters-disaggregated-cache",
+    "adapters-lora-limits-disaggregated",
 ]
 
 
@@ -1343,6 +1352,14 @@ def test_rendering_is_deterministic_and_leaves_the_resource_alone(case: str) -> 
             {"model": model(), "adapters": [{"name": "sql", "source": {"s3": "bucket/sql"}}]},
             'unknown field "spec.adapters.0.source.s3"',
         ),
+        (
+            {"model": model(), "lora": {"maxLoras": 2}},
+            "spec: lora is only allowed together with adapters",
+        ),
+        (
+            {"model": model(), "adapters": [], "lora": {"maxLoras": 4, "maxCpuLoras": 2}},
+            "spec.lora: maxCpuLoras must be at least maxLoras",
+        ),
     ],
     ids=[
         "no-source",
@@ -1357,6 +1374,8 @@ def test_rendering_is_deterministic_and_leaves_the_resource_alone(case: str) -> 
         "adapter-name",
         "adapter-is-the-model",
         "adapter-source",
+        "lora-without-adapters",
+        "cpu-loras-below-loras",
     ],
 )
 def test_an_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], field: str) -> None:
@@ -1643,3 +1662,91 @@ def test_an_adapter_that_needs_a_new_volume_or_fetch_rolls_the_pods(added) -> No
 
 def test_turning_lora_on_or_off_rolls_the_pods() -> None:
     assert hashes({"model": PVC_MODEL}) != hashes(LORA_ON)
+
+
+# --- LoRA limits (spec.lora) ------------------------------------------------------------------
+
+LIMITS = TABLE["adapters-lora-limits-disaggregated"]
+LIMIT_FLAGS = {"max-loras": 4, "max-lora-rank": 64, "max-cpu-loras": 8}
+
+
+@pytest.mark.parametrize("topology", [{}, disaggregated()], ids=["unified", "disaggregated"])
+def test_lora_limits_reach_every_engine_role_alike_and_the_engine_takes_them(
+    topology: dict[str, Any], tmp_path: Path
+) -> None:
+    rendered = render_spec(LIMITS | {"topology": topology})
+    for role in rendered.tuning.roles:
+        flags = role_config(rendered, role)
+        assert {flag: flags[flag] for flag in LIMIT_FLAGS} == LIMIT_FLAGS
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(config_map(rendered)["data"][f"{role}.yaml"], encoding="utf-8")
+        values = load_config_file(str(path), [EngineArgs, ServerArgs])
+        engine = EngineArgs(**{k: v for k, v in values.items() if k in EngineArgs.model_fields})
+        assert (engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (4, 64, 8)
+    if topology:
+        assert not set(LIMIT_FLAGS) & set(role_config(rendered, "router"))
+
+
+def test_each_lora_limit_is_commented_with_where_it_comes_from() -> None:
+    rendered = render_spec(LIMITS)
+    for role in ("prefill", "decode"):
+        lines = config_map(rendered)["data"][f"{role}.yaml"].splitlines()
+        for flag, field in (
+            ("max-loras", "maxLoras"),
+            ("max-lora-rank", "maxLoraRank"),
+            ("max-cpu-loras", "maxCpuLoras"),
+        ):
+            (at,) = [i for i, line in enumerate(lines) if line.startswith(f"{flag}:")]
+            assert lines[at - 1].startswith(f"# spec.lora.{field}: ")
+
+
+def test_a_limit_not_given_is_left_to_the_engine() -> None:
+    flags = role_config(render_spec(LORA_ON | {"lora": {"maxLoraRank": 32}}), "unified")
+    assert flags["max-lora-rank"] == 32
+    assert "max-loras" not in flags and "max-cpu-loras" not in flags
+    # And a spec without spec.lora renders as before the field existed: no pod rolls.
+    assert not set(LIMIT_FLAGS) & set(role_config(render_spec(LORA_ON), "unified"))
+    assert hashes(LORA_ON) == hashes(LORA_ON | {"lora": {}})
+
+
+def test_changing_a_lora_limit_rolls_the_engine_pods_not_the_router() -> None:
+    before = hashes(LIMITS)
+    after = hashes(LIMITS | {"lora": {**LIMITS["lora"], "maxLoras": 2}})
+    assert before["llm-prefill"] != after["llm-prefill"]
+    assert before["llm-decode"] != after["llm-decode"]
+    assert before["llm-router"] == after["llm-router"]
+
+
+def plan_table(spec: dict[str, Any]) -> str:
+    out = io.StringIO()
+    write_table([resource(spec)], [render_spec(spec)], out)
+    return out.getvalue()
+
+
+def plan_row(table: str, *first: str) -> list[str]:
+    """The one row of a plan table that starts with the words `first`, split into words."""
+    (row,) = [
+        line.split() for line in table.splitlines() if line.split()[: len(first)] == list(first)
+    ]
+    return row
+
+
+def test_plan_names_the_adapters_and_each_roles_lora_limits() -> None:
+    chat = {"name": "chat", "source": HOST_LORA}
+    table = plan_table(LIMITS | {"adapters": [ADAPTER_SQL, chat], "lora": {"maxLoras": 2}})
+    assert "adapters: 2, served by every engine role: sql, chat" in table
+    assert plan_row(table, "sql") == ["sql", "pvc", "loras:sql", "/adapters/pvc/loras/sql"]
+    assert plan_row(table, "chat")[:3] == ["chat", "hostPath", "/srv/loras/chat"]
+    for role in ("prefill", "decode"):
+        limit = plan_row(table, role, "maxLoras")
+        assert limit[2:4] == ["2", "(set)"] and limit[4] == "spec.lora.maxLoras:"
+        # Those not given: the engine's defaults, said so.
+        rank = plan_row(table, role, "maxLoraRank")
+        assert rank[2] == "16" and " ".join(rank[3:]).startswith("the engine's default")
+        assert plan_row(table, role, "maxCpuLoras")[2] == "2"
+
+
+def test_plan_without_adapters_says_nothing_of_lora() -> None:
+    table = plan_table({"model": model()})
+    assert "adapters" not in table and "maxLoras" not in table
+    assert "adapters: none yet" in plan_table(LORA_ON)

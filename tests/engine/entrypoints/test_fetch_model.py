@@ -16,6 +16,11 @@ from tidegate.engine.entrypoints.fetch_model import (
     fetch_model,
     fetch_model_shared,
 )
+from tidegate.engine.lora.adapter import folder_digest, read_adapter
+from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
+from tidegate.engine.model.config import ModelConfig
+
+NEITHER = r"neither config\.json nor adapter_config\.json"
 
 
 def make_model_folder(root: Path) -> Path:
@@ -49,6 +54,26 @@ def test_a_tar_of_one_named_folder_is_lifted_into_place(tmp_path: Path) -> None:
     dest = fetch_model(f"file://{archive}", tmp_path / "dest")
     assert (dest / "config.json").exists()
     assert (dest / "sub" / "extra.txt").exists()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+@pytest.mark.parametrize("top", [None, "sql-lora"], ids=["contents", "named-folder"])
+def test_a_tar_of_a_lora_adapter_folder_is_fetched_as_the_engine_reads_it(
+    tiny_llama_dir: Path, tmp_path: Path, top: str | None, shared: bool
+) -> None:
+    # spec.adapters' uri sources: a PEFT folder has adapter_config.json, no config.json.
+    adapter = make_tiny_adapter(tiny_llama_dir, tmp_path / "adapter", rank=4)
+    archive = make_archive(adapter, tmp_path / "adapter.tar.gz", top=top)
+    fetch = fetch_model_shared if shared else fetch_model
+    dest = fetch(f"file://{archive}", tmp_path / "cache" / "sql")
+    assert sorted(p.name for p in dest.iterdir()) == [
+        DONE_MARKER,
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    info = read_adapter(dest, ModelConfig.from_pretrained(tiny_llama_dir), max_lora_rank=16)
+    assert info.rank == 4
+    assert info.digest == folder_digest(adapter)  # the same bytes: the same prefix-cache key
 
 
 def test_over_http_and_a_second_run_does_nothing(tmp_path: Path) -> None:
@@ -88,12 +113,14 @@ def test_unsupported_uris_are_refused_with_what_is_accepted(tmp_path: Path) -> N
         fetch_model(f"file://{tmp_path}/model.zip", tmp_path / "dest")
 
 
-def test_an_archive_without_a_model_is_refused(tmp_path: Path) -> None:
+def test_an_archive_of_neither_a_model_nor_an_adapter_is_refused_naming_both(
+    tmp_path: Path,
+) -> None:
     folder = tmp_path / "notes"
     folder.mkdir()
     (folder / "README").write_text("hi")
     archive = make_archive(folder, tmp_path / "notes.tar")
-    with pytest.raises(FetchError, match=r"no config\.json"):
+    with pytest.raises(FetchError, match=NEITHER):
         fetch_model(f"file://{archive}", tmp_path / "dest")
     assert not (tmp_path / "dest" / DONE_MARKER).exists()
 
@@ -127,6 +154,6 @@ def test_shared_a_failed_fetch_puts_nothing_in_place(tmp_path: Path) -> None:
     folder = tmp_path / "notes"
     folder.mkdir()
     (folder / "README").write_text("hi")
-    with pytest.raises(FetchError, match=r"no config\.json"):
+    with pytest.raises(FetchError, match=NEITHER):
         fetch_model_shared(f"file://{folder}", tmp_path / "cache" / "abc")
     assert not (tmp_path / "cache" / "abc").exists()
