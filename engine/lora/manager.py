@@ -27,7 +27,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tidegate.engine.lora.adapter import _TENSOR_NAME, WEIGHTS_FILE, LoRAError, read_adapter
-from tidegate.engine.lora.ops import LoRAMapping, lora_delta, set_mapping
+from tidegate.engine.lora.ops import (
+    LoRAMapping,
+    LoRAWeights,
+    lora_delta,
+    register_weights,
+    set_mapping,
+)
 from tidegate.engine.messages import LoRARequest
 from tidegate.engine.model.config import ModelConfig
 
@@ -42,7 +48,7 @@ _ROW_PARALLEL = {"o_proj": "o_proj", "down_proj": "down_proj"}
 
 
 class LoRAStack(nn.Module):
-    """The adapter slots of one linear: A [S, n*R, in] and B [S, out, n*R] on its device."""
+    """The adapter slots of one linear (ops.LoRAWeights: A [S, W, K], B [N, S x W])."""
 
     def __init__(self, linear: nn.Module, name: str, slots: int, rank: int) -> None:
         super().__init__()
@@ -53,23 +59,41 @@ class LoRAStack(nn.Module):
         out_features, in_features = weight.shape
         width = len(self.shards) * rank
         kwargs = {"dtype": weight.dtype, "device": weight.device}
-        self.register_buffer("a_stack", torch.zeros(slots, width, in_features, **kwargs), False)
-        self.register_buffer("b_stack", torch.zeros(slots, out_features, width, **kwargs), False)
+        self.weights = LoRAWeights(
+            a_stack=torch.zeros(slots, width, in_features, **kwargs),
+            b_all=torch.zeros(out_features, slots * width, **kwargs),
+        )
+        self.weights.repack()
+        # The compiled graph passes this number, never the weights (ops.py).
+        self.index = register_weights(self.weights)
         self.linear = [linear]  # a list: not a submodule, so its weights are not ours
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add to the linear's output y the delta of each row's adapter (ops.py)."""
-        lora_delta(x, y, self.a_stack, self.b_stack)
+        lora_delta(x, y, self.index)
+
+    def write(self, slot: int, arranged: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put one adapter's (A, B) for this linear in a slot (None: it adapts none of ours)."""
+        width = self.weights.width
+        a_slot = self.weights.a_stack[slot]
+        b_slot = self.weights.b_all[:, slot * width : (slot + 1) * width]
+        if arranged is None:
+            a_slot.zero_()
+            b_slot.zero_()
+        else:
+            a_slot.copy_(arranged[0])
+            b_slot.copy_(arranged[1])
 
     def arrange(
         self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's (A, B) of one adapter for a slot, or None when it adapts none of ours."""
+        """This rank's (A [W, K], B [N, W]) of one adapter, or None when it adapts none of
+        ours."""
         if not any(proj in tensors for _, proj in self.shards):
             return None
         linear = self.linear[0]
-        a_slot = torch.zeros_like(self.a_stack[0])
-        b_slot = torch.zeros_like(self.b_stack[0])
+        a_slot = torch.zeros_like(self.weights.a_stack[0])
+        b_slot = torch.zeros(self.weights.b_all.shape[0], self.weights.width, dtype=a_slot.dtype)
         for j, (shard, proj) in enumerate(self.shards):
             if proj not in tensors:
                 continue
@@ -111,6 +135,7 @@ class LoRAManager:
         max_lora_rank: int,
         max_cpu_loras: int | None,
         max_num_tokens: int,
+        use_triton: bool = False,
     ) -> None:
         self.config = config
         self.max_lora_rank = max_lora_rank
@@ -123,12 +148,13 @@ class LoRAManager:
         self.cached: OrderedDict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = (
             OrderedDict()
         )
-        device = self.stacks[0].a_stack.device
-        widest = max(stack.a_stack.shape[1] for stack in self.stacks)
+        device = self.stacks[0].weights.a_stack.device
+        widest = max(stack.weights.width for stack in self.stacks)
         self.mapping = LoRAMapping(
             sorted_token_ids=torch.zeros(max_num_tokens, dtype=torch.int32, device=device),
             slot_starts=torch.zeros(max_loras + 1, dtype=torch.int32, device=device),
             buffer=torch.zeros(max_num_tokens, widest, dtype=torch.float32, device=device),
+            use_triton=use_triton or device.type == "cuda",
         )
         set_mapping(self.mapping)
 
@@ -148,11 +174,17 @@ class LoRAManager:
         for lora_id in needed:
             if lora_id in self.slot_ids:
                 slot_of[lora_id] = self.slot_ids.index(lora_id)
+        written = set()
         for lora_id, lora in needed.items():
             if lora_id not in slot_of:
                 slot_of[lora_id] = self._activate(lora, busy=set(slot_of.values()))
+                written.add(slot_of[lora_id])
+        if written:
+            for stack in self.stacks:
+                stack.weights.repack(written)
         for slot in slot_of.values():
             self._slot_used[slot] = self._clock
+        set_mapping(self.mapping)  # another engine in this process may have set its own
         self._write_mapping(
             [slot_of[lora.lora_id] if lora is not None else -1 for lora in loras], num_scheduled
         )
@@ -160,9 +192,12 @@ class LoRAManager:
     def _write_mapping(self, request_slots: list[int], num_scheduled: Sequence[int]) -> None:
         mapping = self.mapping
         mapping.segments = []
+        mapping.masks = {}
         starts = np.zeros(self.max_loras + 1, dtype=np.int32)
         if any(slot >= 0 for slot in request_slots):
             token_slots = np.repeat(np.asarray(request_slots, dtype=np.int64), num_scheduled)
+            mapping.token_slots = torch.from_numpy(token_slots)
+            mapping.num_tokens = len(token_slots)
             order = np.argsort(token_slots, kind="stable")
             order = order[token_slots[order] >= 0]
             counts = np.bincount(token_slots[token_slots >= 0], minlength=self.max_loras)
@@ -183,12 +218,7 @@ class LoRAManager:
         slot = min(free, key=lambda s: (self.slot_ids[s] is not None, self._slot_used[s]))
         weights = self._host_copy(lora)
         for stack, arranged in zip(self.stacks, weights, strict=True):
-            if arranged is None:
-                stack.a_stack[slot].zero_()
-                stack.b_stack[slot].zero_()
-            else:
-                stack.a_stack[slot].copy_(arranged[0])
-                stack.b_stack[slot].copy_(arranged[1])
+            stack.write(slot, arranged)
         self.slot_ids[slot] = lora.lora_id
         return slot
 

@@ -62,6 +62,9 @@ class ModelRunner:
                 max_lora_rank=args.max_lora_rank,
                 max_cpu_loras=args.max_cpu_loras,
                 max_num_tokens=args.step_token_capacity(max_model_len),
+                # With triton attention (CUDA, or CPU tests in the interpreter), LoRA in
+                # Triton too: kernels that read only static buffers, as CUDA graphs need.
+                use_triton=self.attn_backend.name == "triton",
             )
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe

@@ -193,6 +193,43 @@ def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level):
     assert stats["prefix_cache_hits"] >= 7 * len(shared)
 
 
+@pytest.mark.slow
+def test_lora_in_decode_graphs_reads_its_adapters_from_static_buffers(tiny_llama_dir, tmp_path):
+    """With the triton backend the LoRA delta is Triton kernels launched by shape, reading
+    which rows use which slot from static buffers: replayed graphs give each request of a
+    mix of adapters the tokens the torch path gives (the interpreter stands in for a GPU)."""
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
+
+    adapters = [
+        make_tiny_adapter(tiny_llama_dir, tmp_path / f"a{i}", rank=4 * (i + 1), seed=i)
+        for i in range(2)
+    ]
+    common = dict(
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=128,
+        num_gpu_blocks=64,
+        enable_lora=True,
+        max_loras=2,
+    )
+    prompts = [[1, *range(20 + 9 * i, 30 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for backend in ("torch", "triton"):
+        with LLM(model=str(tiny_llama_dir), attention_backend=backend, **common) as llm:
+            if backend == "triton":
+                llm.engine.executor.worker.runner.capture_decode_graphs(CallAgain)
+            loras = [llm.load_lora(f"a{i}", str(path)) for i, path in enumerate(adapters)]
+            mix = [loras[0], None, loras[1], loras[0]]
+            result = llm.generate(prompts, params, lora_request=mix)
+            outputs.append([o.outputs[0].token_ids for o in result])
+            if backend == "triton":
+                replays = llm.engine.executor.worker.runner.decode_graphs.replays
+                assert sum(replays.values()) > 0
+    assert outputs[1] == outputs[0]
+
+
 class OneReplayAtATime(CallAgain):
     """A stand-in whose replay takes a while and says when it runs, so that a write to the
     graphs' static buffers during a replay, from any thread, is caught."""

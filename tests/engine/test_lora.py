@@ -287,3 +287,22 @@ def test_adapters_need_enable_lora(tiny_llama_dir, good_adapter):
         pytest.raises(ValueError, match="enable_lora"),
     ):
         llm.load_lora("a", str(good_adapter))
+
+
+def test_async_scheduling_gives_adapters_the_tokens_of_synchronous_steps(
+    tiny_llama_dir, llama_adapters
+):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3)
+    outputs = []
+    for async_scheduling in (False, True):
+        with LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            enable_lora=True,
+            max_loras=2,
+            async_scheduling=async_scheduling,
+        ) as llm:
+            loras = [llm.load_lora(n, str(p)) for n, p in llama_adapters.items()]
+            mix = [loras[0], None, loras[1], loras[2], loras[0], None]
+            outputs.append(token_ids(llm.generate(PROMPTS * 2, params, lora_request=mix)))
+    assert outputs[1] == outputs[0]
