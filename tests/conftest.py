@@ -81,11 +81,13 @@ QUIET_E2E = frozenset(
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU attention kernel before any test starts an engine that would: the
+    """Build the CPU attention (and LoRA) kernels before any test starts an engine that would: the
     first build takes 20-60 s on 2 busy cores, inside some server's start-up timeout."""
     from tidegate.engine.attention.cpu_attention import cpu_kernels_available
+    from tidegate.engine.lora.ops import fused_kernel_available
 
     cpu_kernels_available()
+    fused_kernel_available()  # the LoRA kernel, which every adapter-serving engine loads
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -65,11 +65,13 @@ def cpu_kernel_isa() -> str:
 
 def load_cpu_kernels() -> None:
     """Build (first time only) and load the kernels for the ISA of `cpu_kernel_isa()`."""
-    _load(cpu_kernel_isa())
+    build_cpu_extension(SOURCE, "tidegate_cpu", cpu_kernel_isa())
 
 
 @cache
-def _load(isa: str) -> None:
+def build_cpu_extension(source: Path, prefix: str, isa: str) -> None:
+    """Build (first time only, cached) and load a C++ file of torch ops for this ISA; other
+    layers' kernels (engine/lora/lora_delta.cpp) are built the same way."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -79,14 +81,14 @@ def _load(isa: str) -> None:
         from torch.utils import cpp_extension
     except ImportError as error:
         raise CpuKernelUnavailable(f"building the CPU kernels needs {error.name}") from error
-    name = f"tidegate_cpu_{isa}_{_build_key(isa)}"
+    name = f"{prefix}_{isa}_{_build_key(source, isa)}"
     build_dir = _cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with _lock:  # one build per process; torch's loader locks between processes
         try:
             cpp_extension.load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(source)],
                 extra_cflags=[*_COMMON_FLAGS, *ISA_FLAGS[isa]],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
@@ -95,7 +97,7 @@ def _load(isa: str) -> None:
             )
         except (RuntimeError, OSError, FileNotFoundError) as error:
             raise CpuKernelUnavailable(f"building the CPU kernels failed: {error}") from error
-    logger.debug("CPU attention kernels loaded from %s", build_dir)
+    logger.debug("CPU kernels of %s loaded from %s", source.name, build_dir)
 
 
 def cpu_kernels_available() -> bool:
@@ -118,10 +120,10 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "tidegate" / "cpu_kernels"
 
 
-def _build_key(isa: str) -> str:
+def _build_key(source: Path, isa: str) -> str:
     """Source, compiler flags, torch version and (for `native`) this CPU's features: a
     change rebuilds."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join([*_COMMON_FLAGS, *ISA_FLAGS[isa]]).encode())
     digest.update(torch.__version__.encode())
     if isa == "native":

@@ -13,13 +13,16 @@ linear). The worker's LoRAManager writes the step's mapping before the forward p
 
 On a GPU the delta is two Triton launches (`triton_ops.py`) whose grid depends on shapes only,
 so CUDA graphs capture them and replay them with whatever the buffers hold. On CPU it takes
-one of two forms, by batch size (`benchmarks/results/lora.json` has the figures behind it):
+one of three forms, by batch size (micro-benchmarks on 2 AVX-512 cores, bf16, 4 slots):
 
-- up to DENSE_MAX_TOKENS rows (decode steps), one product for all slots at once: h = x A_all^T
-  ([T, S x W]), each row's columns of other slots zeroed by a mask, then y += h B_all^T. It
-  computes S times the FLOPs it needs, but at these sizes the cost is reading the weights
-  (the same bytes either way), and two products instead of 2 x S, on weights packed in
-  oneDNN's layout (bf16), cost a fifth of the per-slot loop;
+- up to FUSED_MAX_TOKENS rows (decode steps), one call of the fused C++ kernel
+  (`lora_delta.cpp`): shrink and expand for every row under its own slot, near the speed of
+  reading the slots' weights. Through oneDNN each tiny product costs a fixed 20-30 us, more
+  than the bytes: for a q/k/v linear at 16 rows, 50 us fused against 112 us;
+- up to DENSE_MAX_TOKENS rows, where the kernel is not built or serves no more, one oneDNN
+  product for all slots at once: h = x A_all^T ([T, S x W]), each row's columns of other
+  slots zeroed by a mask, then y += h B_all^T, on weights packed in oneDNN's layout (bf16):
+  S times the FLOPs, but two calls instead of 2 x S;
 - above it (long prefill chunks), one shrink and one expand per slot on that slot's rows,
   where the FLOPs saved matter more than the calls.
 
@@ -32,11 +35,16 @@ adapters, so no mix recompiles and slots can be rewritten (and repacked) freely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 
 import torch
 
 # Rows up to which the CPU delta is one masked product over every slot (see above).
 DENSE_MAX_TOKENS = 1024
+# Rows up to which the fused C++ kernel (lora_delta.cpp) serves, where it is built.
+FUSED_MAX_TOKENS = 256
+FUSED_SOURCE = Path(__file__).with_name("lora_delta.cpp")
 
 
 @dataclass
@@ -82,6 +90,8 @@ class LoRAWeights:
     b_packed: torch.Tensor | None = None
     # Each slot's (A [W, K], B [N, W]) packed alone, for steps of one adapter and long chunks.
     slot_packed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # B transposed per slot, [S, W, N], for the fused kernel (CPU, where it is built).
+    bt_stack: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -105,6 +115,10 @@ class LoRAWeights:
         only)."""
         from tidegate.engine.model.packed_linear import can_pack, pack
 
+        if self.a_stack.device.type == "cpu" and fused_kernel_available():
+            n = self.b_all.shape[0]
+            bt = self.b_all.T.reshape(self.num_slots, self.width, n)
+            self.bt_stack = bt.contiguous()
         if not can_pack(self.a_all):
             return
         self.a_packed = pack(self.a_all)
@@ -180,6 +194,17 @@ def _lora_delta(x: torch.Tensor, y: torch.Tensor, index: int) -> None:
         return
     num_tokens = x.shape[0]
     width = weights.width
+    if (
+        num_tokens <= FUSED_MAX_TOKENS
+        and weights.bt_stack is not None
+        and x.stride(-1) == 1
+        and y.stride(-1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16)
+    ):
+        torch.ops.tidegate_lora.lora_delta(
+            x, y, weights.a_stack, weights.bt_stack, mapping.token_slots
+        )
+        return
     dense = num_tokens <= DENSE_MAX_TOKENS and len(mapping.segments) > 1
     if weights.a_packed is not None:
         if dense:
@@ -209,6 +234,22 @@ def _lora_delta(x: torch.Tensor, y: torch.Tensor, index: int) -> None:
         else:
             h = x.index_select(0, rows) @ weights.a_stack[slot].T
             y.index_add_(0, rows, h @ weights.b_all[:, columns].T)
+
+
+@cache
+def fused_kernel_available() -> bool:
+    """Whether the fused C++ kernel builds (once, cached on disk) and loads here."""
+    from tidegate.engine.attention.cpu_attention import (
+        CpuKernelUnavailable,
+        build_cpu_extension,
+        cpu_kernel_isa,
+    )
+
+    try:
+        build_cpu_extension(FUSED_SOURCE, "tidegate_lora", cpu_kernel_isa())
+    except CpuKernelUnavailable:
+        return False  # the products of ops.py serve instead
+    return True
 
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

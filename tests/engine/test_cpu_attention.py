@@ -317,9 +317,10 @@ def test_the_build_key_changes_with_the_compiler_flags(monkeypatch):
     """A cached build is reused only for the same source, flags, torch and CPU."""
     from tidegate.engine.attention import cpu_attention
 
-    before = cpu_attention._build_key("avx2")
+    source = cpu_attention.SOURCE
+    before = cpu_attention._build_key(source, "avx2")
     monkeypatch.setattr(cpu_attention, "_COMMON_FLAGS", [*cpu_attention._COMMON_FLAGS, "-O2"])
-    assert cpu_attention._build_key("avx2") != before
+    assert cpu_attention._build_key(source, "avx2") != before
     monkeypatch.undo()
-    assert cpu_attention._build_key("avx2") == before
-    assert cpu_attention._build_key("avx512") != before
+    assert cpu_attention._build_key(source, "avx2") == before
+    assert cpu_attention._build_key(source, "avx512") != before

@@ -50,13 +50,20 @@ def delta(dtype: torch.dtype, token_slots: list[int], seed: int = 0) -> tuple:
 MIXED = [0, 2, -1, 1, 0, 0, 2, -1, 1]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "token_slots",
-    [MIXED, [1] * 7, MIXED * 130],  # masked product, one adapter, per-slot (> 1024 rows)
-    ids=["mixed-small", "one-adapter", "mixed-large"],
+    [MIXED, [1] * 7, MIXED * 34, MIXED * 130],
+    ids=["mixed-small", "one-adapter", "mixed-300", "mixed-1170"],
 )
-def test_every_form_adds_each_rows_own_adapter_delta(dtype, token_slots):
+def test_every_form_adds_each_rows_own_adapter_delta(dtype, token_slots, fused, monkeypatch):
+    """Small batches go to the fused kernel (where it builds) or one masked product over
+    every slot; long ones to per-slot products; one adapter for all rows skips the mask."""
+    if fused and not ops.fused_kernel_available():
+        pytest.skip("the fused LoRA kernel does not build here")
+    if not fused:
+        monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)
     before, y, expected = delta(dtype, token_slots)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(
