@@ -42,6 +42,9 @@ class LoRAServing:
         # is never unloaded because the file does not list it.
         self._from_file: dict[str, str] = {}
         self._file_text: str | None = None
+        # The file's adapters that could not be loaded (name -> (path, why)): retried at every
+        # read, since a folder may appear after the list names it (a volume still filling).
+        self._failed: dict[str, tuple[str, str]] = {}
 
     def resolve(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model; 404 otherwise."""
@@ -87,7 +90,8 @@ class LoRAServing:
 
     def sync_file(self, path: str) -> bool:
         """Serve exactly the adapters the file lists (besides those loaded otherwise); True
-        when the file changed since the last call. A bad entry is logged and skipped."""
+        when the file changed since the last call. An entry that cannot be loaded is logged
+        (once per reason) and tried again at the next call."""
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as error:
@@ -96,6 +100,8 @@ class LoRAServing:
             self._file_text = None
             return False
         if text == self._file_text:
+            if self._failed and self._load_from_file(dict(self._failed), path):
+                self._changed()
             return False
         self._file_text = text
         wanted = _parse_adapter_file(text, path)
@@ -106,18 +112,29 @@ class LoRAServing:
                 self.registry.unload(name)
                 del self._from_file[name]
                 logger.info("stopped serving LoRA adapter %r (not in %s)", name, path)
-        for name, adapter_path in wanted.items():
-            if name in self._from_file:
-                continue
+        self._failed = {n: f for n, f in self._failed.items() if wanted.get(n) == f[0]}
+        pending = {n: (p, "") for n, p in wanted.items() if n not in self._from_file}
+        self._load_from_file(pending, path)
+        self._changed()
+        return True
+
+    def _load_from_file(self, pending: dict[str, tuple[str, str]], path: str) -> bool:
+        """Load the file's adapters not served yet; remember (and log once) those that fail.
+        True when one was loaded."""
+        loaded = False
+        for name, (adapter_path, last_error) in pending.items():
             try:
                 self.registry.load(name, adapter_path)
             except (LoRAError, LoRAConflict) as error:
-                logger.error("cannot serve LoRA adapter %r from %s: %s", name, path, error)
+                if str(error) != last_error:
+                    logger.error("cannot serve LoRA adapter %r from %s: %s", name, path, error)
+                self._failed[name] = (adapter_path, str(error))
                 continue
+            self._failed.pop(name, None)
             self._from_file[name] = adapter_path
+            loaded = True
             logger.info("serving LoRA adapter %r from %s", name, adapter_path)
-        self._changed()
-        return True
+        return loaded
 
     async def watch_file(self, path: str, interval: float = FILE_POLL_S) -> None:
         """Re-read the adapter file until cancelled (content compared, so a ConfigMap's
