@@ -24,6 +24,10 @@ ASYNC = ("--async-scheduling",)
 STEP_FAULT = {FAULT_SIGNAL_ENV: "USR1"}
 
 
+# The SIGTERM test's stream in flight.
+STREAM_TOKENS = 1000
+
+
 def start_server(
     tiny_llama_dir: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
 ) -> ServerProcess:
@@ -248,7 +252,10 @@ def test_on_sigterm_health_is_503_at_once_new_requests_refused_and_a_stream_fini
 
     async def run() -> tuple[list[httpx.Response], list[dict], bool]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-            stream = await open_stream(client, max_tokens=40)
+            # Long enough that it cannot end between its first event and the SIGSTOP below,
+            # even when this process is descheduled that long on a loaded machine (with 40
+            # tokens it once did: the drain ended at once and /health refused connections).
+            stream = await open_stream(client, max_tokens=STREAM_TOKENS)
             first = await stream.next_event()
             # The engine core stops stepping, so the stream is surely still in flight while
             # the drain is looked at, however fast the machine.
@@ -281,7 +288,7 @@ def test_on_sigterm_health_is_503_at_once_new_requests_refused_and_a_stream_fini
         assert "shutting down" in error["message"]
     assert DRAINING_HEADER in refused.headers  # nothing ran: a router may hold it elsewhere
     assert metrics.status_code == 200  # scrapers still read the last requests
-    # The stream in flight finished in full (all 40 tokens, then [DONE]), then the server
+    # The stream in flight finished in full (all its tokens, then [DONE]), then the server
     # exited cleanly.
     assert done and events[-1]["choices"][0]["finish_reason"] == "length"
     assert server.wait_exit(timeout=30) == 0
