@@ -18,9 +18,19 @@ from tidegate.engine.core.block_hash import append_block_hashes
 from tidegate.engine.core.engine_core import resolve_max_model_len
 from tidegate.engine.core_client import EngineCoreClient
 from tidegate.engine.data_parallel import DataParallelRouter
-from tidegate.engine.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
+from tidegate.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestRefusedError,
+    RequestTimeoutError,
+)
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
-from tidegate.engine.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest
+from tidegate.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+)
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -288,15 +298,18 @@ class AsyncLLM:
                         f"(--max-waiting-requests {client.max_waiting_requests}); retry later"
                     )
                 )
+        outputs = batch.outputs
+        if any(out.error is not None for out in outputs):
+            outputs = self._refuse([out for out in outputs if out.error is not None], outputs)
         num_generated = 0
-        for out in batch.outputs:
+        for out in outputs:
             stream = self._streams.get(out.req_id)
             if stream is not None:
                 self._record_tokens(stream, len(out.new_token_ids), out.queue_time, now)
                 num_generated += len(out.new_token_ids)
         if num_generated and self.metrics is not None:  # one count per step, not per request
             self.metrics.record_tokens(0, num_generated, batch.engine_index)
-        request_outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:  # stopped by a stop string, which only the API side sees
             self._in_background(client.abort_requests(to_abort))
         for output in request_outputs:
@@ -306,6 +319,18 @@ class AsyncLLM:
             stream.queue.put(output)
             if output.finished:
                 self._record_finished(stream, output.outputs[0].finish_reason or "stop", now)
+
+    def _refuse(
+        self, refused: list[EngineCoreOutput], outputs: list[EngineCoreOutput]
+    ) -> list[EngineCoreOutput]:
+        """Fail the streams of requests the engine refused; the other outputs."""
+        for out in refused:
+            self.output_processor.abort(out.req_id)
+            stream = self._streams.get(out.req_id)
+            if stream is not None:
+                stream.queue.put(RequestRefusedError(out.error))
+                self._record_finished(stream, "error")
+        return [out for out in outputs if out.error is None]
 
     def _record_tokens(
         self, stream: _Stream, num_new: int, queue_time: float | None, now: float

@@ -163,6 +163,18 @@ class EngineArgs(BaseModel):
         description="LoRA: adapters each worker keeps loaded in host memory (least recently "
         "used one dropped first); at least max_loras, which is the default.",
     )
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = Field(
+        "auto",
+        description="Grammar library of structured outputs (response_format, tool_choice "
+        "required): xgrammar or guidance (llguidance). auto: the one measured faster "
+        "(benchmarks/results/structured_backends.json).",
+    )
+    max_cached_grammars: int = Field(
+        256,
+        ge=1,
+        description="Structured outputs: compiled grammars kept per engine core, by schema "
+        "(least recently used dropped first).",
+    )
 
     cpu_allocator: CpuAllocator = Field(
         "auto",
@@ -307,6 +319,12 @@ class ServerArgs(TenancyArgs):
         False,
         description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "routes); needs an API key, since they read server paths.",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None,
+        description="The model family's format of tool calls, read from its output for chat "
+        "requests with tools and tool_choice 'auto' (the default with tools); without it such "
+        "requests are refused (tool_choice 'required' or a named function need no parser).",
     )
 
 

@@ -24,3 +24,8 @@ class RequestTimeoutError(RuntimeError):
             " and was aborted"
         )
         self.timeout_s = timeout_s
+
+
+class RequestRefusedError(ValueError):
+    """The engine refused a request it had accepted, before any token (its grammar did not
+    compile): a client error, a 400 like any other invalid request."""

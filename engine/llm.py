@@ -9,6 +9,7 @@ from typing import Any
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.engine_core import EngineCore
+from tidegate.engine.errors import RequestRefusedError
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.lora.registry import LoRARegistry
 from tidegate.engine.messages import LoRARequest
@@ -114,7 +115,10 @@ class LLM:
             self.engine.add_request(request)
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_unfinished_requests() or self.engine.waits_for_grammar():
+                if not self.engine.has_unfinished_requests():
+                    self.engine.wait_for_grammars()  # nothing can run until one compiles
+                    continue
                 for output in self._step():
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
@@ -143,7 +147,11 @@ class LLM:
         return resolved
 
     def _step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process_outputs(self.engine.step())
+        engine_outputs = self.engine.step()
+        refused = next((out for out in engine_outputs if out.error is not None), None)
+        if refused is not None:
+            raise RequestRefusedError(refused.error)
+        outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
         return outputs

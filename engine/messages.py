@@ -90,10 +90,26 @@ class SchedulerOutput(msgspec.Struct):
     finished_req_ids: set[str] = msgspec.field(default_factory=set)
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Structured outputs: the grammar-constrained requests that sample a token this step.
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """Which tokens each constrained request may sample this step.
+
+    `bitmask` is int32 words [len(req_ids), words] in native byte order, bit j of word i
+    allowing token 32*i + j. It is None when the step was planned before the previous step's
+    tokens were known (async scheduling): the worker then waits for the bitmask the engine
+    core hands its executor once those tokens are applied.
+    """
+
+    req_ids: list[str]
+    words: int
+    bitmask: bytes | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -152,6 +168,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_time: float | None = None
     # Producer: where a consumer pulls this request's prompt KV (on its last output).
     kv_transfer_params: dict[str, Any] | None = None
+    # The request was refused after it reached the engine (its grammar did not compile): the
+    # reason, on its only output (finish_reason "error").
+    error: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -10,6 +10,61 @@ SEED_RANGE = 2**63
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one field is set.
+
+    A JSON schema travels as its serialized text, so that the engine caches compiled grammars
+    by the exact text and the struct crosses processes as plain msgpack.
+    """
+
+    json: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF) or Lark
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice and "
+                f"grammar (got {', '.join(kinds) or 'none'})"
+            )
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(
+                    "structured outputs choice must be a non-empty list of non-empty strings"
+                )
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
+
+    @property
+    def spec(self) -> str:
+        """The constraint's text (choices as a JSON list; "" for json_object)."""
+        if self.json_object:
+            return ""
+        if self.choice is not None:
+            import json as _json
+
+            return _json.dumps(self.choice, ensure_ascii=False)
+        return getattr(self, self.kind)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What compiled grammars are cached by."""
+        return (self.kind, self.spec)
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop (names follow OpenAI and vLLM)."""
 
@@ -30,6 +85,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Grammar-constrained decoding: every sampled token keeps the output a valid prefix.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids, which end a request unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

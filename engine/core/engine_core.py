@@ -15,6 +15,7 @@ from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.request import Request
+from tidegate.engine.core.request_grammar import GrammarCompiler
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
 from tidegate.engine.executor.abstract import Executor
@@ -124,6 +125,14 @@ class EngineCore:
             block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
         )
+        # Structured outputs: the grammar library loads on the first constrained request.
+        self.grammar = GrammarCompiler(
+            args.structured_outputs_backend,
+            args.tokenizer or args.model,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            max_cached_grammars=args.max_cached_grammars,
+        )
         self.scheduler = Scheduler(
             resolve_step_limits(args, self.max_model_len),
             self.kv_cache_manager,
@@ -131,6 +140,8 @@ class EngineCore:
             kv_transfer_timeout=args.kv_transfer_timeout,
             world_size=args.tensor_parallel_size,
             async_scheduling=args.async_scheduling,
+            grammar=self.grammar,
+            defer_grammar_bitmask=self.executor.takes_deferred_grammar_bitmask,
         )
         # The step whose results the last step() applied (None: it applied none).
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -168,10 +179,28 @@ class EngineCore:
         self._flush_kv()
 
     def has_unfinished_requests(self) -> bool:
-        """True when a step would make progress (pulls in flight wait for their events)."""
-        if self._in_flight:
+        """True when a step would make progress (pulls in flight and grammars compiling wait
+        for their events)."""
+        if self._in_flight or self.scheduler.has_error_outputs:
             return True
         return self.scheduler.has_unfinished_requests() and not self._stalled
+
+    def wake(self) -> None:
+        """Something a stalled engine waits for happened (a grammar compiled): step again."""
+        self._stalled = False
+
+    def waits_for_grammar(self) -> bool:
+        """True while a waiting request's grammar compiles."""
+        return self.scheduler.num_waiting_for_grammar > 0
+
+    def wait_for_grammars(self, timeout: float | None = None) -> None:
+        """Block until a waiting request's grammar has compiled (or failed); offline use."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = [r.grammar.compiled for r in self.scheduler.waiting if r.grammar is not None]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        self._stalled = False
 
     def has_pending_kv(self) -> bool:
         """True while pulls are in flight or blocks are pinned for consumers."""
@@ -229,16 +258,20 @@ class EngineCore:
         self.process_kv_events()
         scheduler_output = self.scheduler.schedule()
         if self.args.async_scheduling:
-            return self._step_async(scheduler_output)
-        # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
-        self.last_scheduler_output = scheduler_output
-        started = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
-        self.scheduler.record_step_time(time.perf_counter() - started)
-        if scheduler_output.is_empty:
-            self._check_progress()
-            return []
-        return self._apply(scheduler_output, runner_output)
+            outputs = self._step_async(scheduler_output)
+        else:
+            # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
+            self.last_scheduler_output = scheduler_output
+            started = time.perf_counter()
+            runner_output = self.executor.execute_model(scheduler_output)
+            self.scheduler.record_step_time(time.perf_counter() - started)
+            if scheduler_output.is_empty:
+                self._check_progress()
+                outputs = []
+            else:
+                outputs = self._apply(scheduler_output, runner_output)
+        refused = self.scheduler.take_error_outputs()
+        return refused + outputs if refused else outputs
 
     def _step_async(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         self.last_scheduler_output = None
@@ -271,14 +304,28 @@ class EngineCore:
         self.scheduler.record_step_time(now - self._last_result_time, mix)
         self._last_result_time = now
         self.last_scheduler_output = scheduler_output
-        if scheduler_output.is_empty:
-            return []
-        return self._apply(scheduler_output, runner_output)
+        outputs = [] if scheduler_output.is_empty else self._apply(scheduler_output, runner_output)
+        self._deliver_grammar_bitmask()
+        return outputs
+
+    def _deliver_grammar_bitmask(self) -> None:
+        """The step now oldest in flight was planned before this one's tokens were known: its
+        constrained rows wait for their bitmask, which the matchers can give now."""
+        if not self._in_flight:
+            return
+        grammar = self._in_flight[0][0].grammar
+        # The message stays as planned (an in-process worker reads this very object): each
+        # step that waits for a bitmask becomes the oldest in flight exactly once, here.
+        if grammar is not None and grammar.bitmask is None:
+            self.executor.deliver_grammar_bitmask(self.scheduler.fill_grammar_bitmask(grammar))
 
     def _check_progress(self) -> None:
         """After a step with nothing to run: wait for pulls, or fail rather than spin."""
-        if self.scheduler.num_pulling:
-            self._stalled = True  # room comes back when a pull finishes
+        if self.scheduler.num_pulling or (
+            self.scheduler.num_waiting_for_grammar and not self.scheduler.num_running
+        ):
+            # Room comes back when a pull finishes; a request starts when its grammar compiles.
+            self._stalled = True
         elif self.scheduler.num_waiting and not self.scheduler.num_running:
             # Nothing runs and nothing can start: looping again would hang the caller.
             raise RuntimeError(
@@ -306,6 +353,9 @@ class EngineCore:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+        grammar = getattr(self, "grammar", None)
+        if grammar is not None:
+            grammar.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
 

@@ -42,6 +42,8 @@ _WORKER_DIED = object()
 _STOP_SENDING = object()
 # Put on the input queue by the KV connector's thread: events are waiting to be applied.
 _KV_EVENT = object()
+# Put on the input queue by a grammar compile thread: a waiting request may start.
+_GRAMMAR_READY = object()
 
 
 def run_engine_core(
@@ -100,6 +102,7 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._shutting_down = threading.Event()
         engine.kv_wakeup = lambda: self.input_queue.put(_KV_EVENT)
+        engine.grammar.wakeup = lambda: self.input_queue.put(_GRAMMAR_READY)
 
     def run(self, ctx: zmq.Context, requests: zmq.Socket, output_address: str) -> int:
         """Serve until told to shut down (0) or until something dies (1)."""
@@ -151,9 +154,9 @@ class EngineCoreProc:
                 continue
             outputs = engine.step()
             scheduled = engine.last_scheduler_output
-            if scheduled is None:
+            if scheduled is None and not outputs:
                 continue  # async scheduling started a step and applied none
-            num_tokens = scheduled.total_num_scheduled_tokens
+            num_tokens = scheduled.total_num_scheduled_tokens if scheduled is not None else 0
             self.output_queue.put(
                 EngineCoreOutputs(
                     self.engine_index,
@@ -174,6 +177,9 @@ class EngineCoreProc:
             block = False
             if item is _KV_EVENT:
                 changed = self.engine.process_kv_events() or changed
+                continue
+            if item is _GRAMMAR_READY:
+                self.engine.wake()
                 continue
             if item is _WORKER_DIED:
                 self.engine.executor.check_alive()

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from tidegate.engine.core.request_grammar import RequestGrammar
 from tidegate.engine.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from tidegate.engine.messages import EngineCoreRequest, LoRARequest
 from tidegate.engine.sampling_params import SamplingParams
@@ -17,6 +18,8 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life; the finished ones carry their reason."""
 
     WAITING = enum.auto()
+    # Structured outputs: queued while its grammar compiles (vLLM's WAITING_FOR_FSM).
+    WAITING_FOR_GRAMMAR = enum.auto()
     # Disaggregated consumer: blocks allocated, the prompt's KV on its way from a producer.
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
@@ -24,6 +27,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Refused after it reached the engine (its grammar did not compile); `error` says why.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -38,6 +43,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -63,6 +69,10 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Why the engine refused it (FINISHED_ERROR), for the API server's 400.
+        self.error: str | None = None
+        # Structured outputs: the grammar and its matcher (the scheduler sets it when queued).
+        self.grammar: RequestGrammar | None = None
 
         self.num_prompt_tokens = len(prompt_token_ids)
         self.prompt_token_ids = list(prompt_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -10,11 +11,14 @@ from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
+from tidegate.engine.core.request_grammar import GrammarCompiler, RequestGrammar, build_bitmask
 from tidegate.engine.core.step_budget import StepBudget, StepLimits
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
+from tidegate.engine.kv_transfer.params import RemoteDecode
 from tidegate.engine.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarBitmask,
     KVEvent,
     KVRecvDone,
     KVRelease,
@@ -23,6 +27,9 @@ from tidegate.engine.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from tidegate.engine.structured_output import bitmask_words
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -46,9 +53,19 @@ class Scheduler:
         kv_transfer_timeout: float = 30.0,
         world_size: int = 1,
         async_scheduling: bool = False,
+        grammar: GrammarCompiler | None = None,
+        defer_grammar_bitmask: bool = False,
     ) -> None:
         self.limits = limits
         self.async_scheduling = async_scheduling
+        # Structured outputs: compiles grammars; None refuses constrained requests.
+        self.grammar = grammar
+        # Async scheduling: True when the executor takes a step's bitmask after the step has
+        # started (the in-process worker); else a constrained request with a token in flight
+        # waits for it before its next step.
+        self.defer_grammar_bitmask = defer_grammar_bitmask
+        # Requests finished without running (their grammar failed): outputs for the next step.
+        self._error_outputs: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -79,6 +96,15 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        constraint = request.sampling_params.structured_outputs
+        # A producer's one token is thrown away (the consumer samples the first token itself
+        # and constrains it), so its grammar would be compiled for nothing.
+        if constraint is not None and not isinstance(request.kv_transfer, RemoteDecode):
+            if self.grammar is None:
+                self._finish_error(request, "this engine serves no structured outputs")
+                return
+            request.grammar = RequestGrammar(self.grammar.compile(constraint), self.grammar)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests now and free their blocks; unknown ids are ignored."""
@@ -105,6 +131,21 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        """Waiting requests whose grammar is still compiling."""
+        return sum(1 for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR)
+
+    @property
+    def has_error_outputs(self) -> bool:
+        """True when refused requests wait to be reported."""
+        return bool(self._error_outputs)
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests refused since the last call (their grammar failed)."""
+        outputs, self._error_outputs = self._error_outputs, []
+        return outputs
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -158,8 +199,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
-            if request.num_output_placeholders and self._finishes_in_flight(request):
-                index += 1  # the token in flight is its last: nothing more to compute
+            if request.num_output_placeholders and (
+                self._finishes_in_flight(request)
+                or (request.grammar is not None and not self.defer_grammar_bitmask)
+            ):
+                # The token in flight is its last: nothing more to compute. Or its grammar
+                # needs that token to say what may follow, and this executor cannot wait.
+                index += 1
                 continue
             num_new = budget.tokens_for(request, request.num_computed_tokens)
             if num_new == 0:
@@ -213,6 +259,7 @@ class Scheduler:
             kv_connector_metadata=self.kv_transfer.take_connector_metadata(),
         )
         self._finished_req_ids = set()
+        grammar_rows: list[Request] = []
         if self.chunk_tuner is not None:  # only the tuner needs the step's mix
             num_decodes = pairs = keys = 0
             for req_id, num in scheduled.items():
@@ -230,12 +277,62 @@ class Scheduler:
             prompt_len = request.num_prompt_tokens
             self.num_computed_prompt_tokens += min(start + num, prompt_len) - min(start, prompt_len)
             request.num_computed_tokens += num
-            if self.async_scheduling and (
-                request.num_computed_tokens >= request.num_tokens_with_placeholders
-            ):
+            samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+            if samples and request.grammar is not None:
+                grammar_rows.append(request)
+            if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # this step samples its next token
+        if grammar_rows:
+            output.grammar = self._grammar_bitmask(grammar_rows)
         self.num_steps += 1
         return output
+
+    def _grammar_bitmask(self, rows: list[Request]) -> GrammarBitmask:
+        """The step's bitmask message, filled now unless a token it depends on is in flight."""
+        assert self.grammar is not None
+        message = GrammarBitmask(
+            req_ids=[r.request_id for r in rows], words=bitmask_words(self.grammar.vocab_size)
+        )
+        # This step's own placeholder is already counted: more than one means an earlier step.
+        if all(r.num_output_placeholders <= int(self.async_scheduling) for r in rows):
+            message.bitmask = self.fill_grammar_bitmask(message)
+        return message
+
+    def fill_grammar_bitmask(self, message: GrammarBitmask) -> bytes:
+        """The rows of a step's bitmask from the matchers as they are now (every earlier step
+        applied); a request that finished meanwhile gets a row that allows everything (its
+        token is dropped)."""
+        assert self.grammar is not None
+        grammars = []
+        for req_id in message.req_ids:
+            request = self.requests.get(req_id)
+            live = request is not None and request.grammar is not None
+            grammars.append(request.grammar if live and not request.grammar.is_terminated else None)
+        return build_bitmask(self.grammar, grammars)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """True once the request's grammar compiled; refuses the request if it did not."""
+        try:
+            ready = request.grammar.poll()
+        except ValueError as error:
+            self._finish_error(request, str(error))
+            return False
+        except Exception as error:  # a library failure is this request's, not the engine's
+            self._finish_error(request, f"the grammar could not be compiled: {error}")
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def _finish_error(self, request: Request, message: str) -> None:
+        """Refuse a request that never ran; its output carries the reason."""
+        request.error = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._error_outputs.append(
+            EngineCoreOutput(
+                req_id=request.request_id, new_token_ids=[], finish_reason="error", error=message
+            )
+        )
 
     def _schedule_waiting(
         self,
@@ -254,6 +351,13 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                ready = self._grammar_ready(request)
+                if not ready:
+                    # Compiling (it keeps its place), or refused (gone from the queue).
+                    if self.waiting and self.waiting[0] is request:
+                        skipped.append(self.waiting.popleft())
+                    continue
             if not adapters.admits(request):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -371,6 +475,17 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     self._finish(request, status)
+                    break
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    # The sampler masks every token the grammar forbids: this is a bug.
+                    logger.error(
+                        "request %s sampled token %d its grammar forbids", req_id, token_id
+                    )
+                    request.stop_reason = "grammar"
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    break
+                if request.grammar is not None and request.grammar.is_terminated:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
                     break
             outputs.append(
                 EngineCoreOutput(

@@ -45,6 +45,16 @@ class Executor(ABC):
         on every worker; their results must be collected in that order too.
         """
 
+    @property
+    def takes_deferred_grammar_bitmask(self) -> bool:
+        """True when a step may start without its grammar bitmask and be handed it later
+        (`deliver_grammar_bitmask`), before it samples: async scheduling in-process."""
+        return False
+
+    def deliver_grammar_bitmask(self, bitmask: bytes) -> None:
+        """The bitmask of the oldest started step that waits for one."""
+        raise NotImplementedError("this executor takes each step's bitmask with the step")
+
     @abstractmethod
     def kv_data_ports(self) -> list[int]:
         """Where each rank's KV connector serves blocks (producer), by rank."""

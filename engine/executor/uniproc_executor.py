@@ -63,6 +63,15 @@ class UniProcExecutor(Executor):
             raise RuntimeError("execute_model_async needs an executor built for async scheduling")
         return self._thread.submit(self.worker.execute_model, scheduler_output)
 
+    @property
+    def takes_deferred_grammar_bitmask(self) -> bool:
+        # The worker thread runs a step's forward pass, then waits for its bitmask.
+        return self._thread is not None
+
+    def deliver_grammar_bitmask(self, bitmask: bytes) -> None:
+        # Not queued behind the steps: the step that waits for it is running.
+        self.worker.runner.deferred_bitmasks.put(bitmask)
+
     def kv_data_ports(self) -> list[int]:
         return [self.worker.kv_data_port]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 
@@ -13,7 +14,12 @@ from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
 from tidegate.engine.lora.manager import LoRAManager
-from tidegate.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tidegate.engine.messages import (
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.model.packed_linear import pack_linear_weights
@@ -89,6 +95,9 @@ class ModelRunner:
             device=device,
         )
         self.decode_graphs: DecodeGraphs | None = None
+        # Async scheduling: bitmasks of steps that started before their rows were known, in
+        # step order (the engine core hands each over once the step before it is applied).
+        self.deferred_bitmasks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -222,7 +231,8 @@ class ModelRunner:
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
             sampling = [states[i] for i in step.sampling_rows]
-            output, tokens = self._sample_on_rank_0(logits, sampling)
+            grammar = self._grammar_rows(so.grammar, sampling, logits.device)
+            output, tokens = self._sample_on_rank_0(logits, sampling, grammar)
             self.batch.append_tokens(rows[step.sampling_rows], tokens)
             for row, state, token in zip(step.sampling_rows, sampling, tokens, strict=True):
                 state.output_token_ids.append(token)
@@ -232,20 +242,51 @@ class ModelRunner:
         self.batch.num_computed_tokens[rows] += num_scheduled
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
+    def _grammar_rows(
+        self, grammar: GrammarBitmask | None, rows: list[CachedRequestState], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sampling row indices, their int32 bitmask rows) of the step's constrained requests."""
+        if grammar is None:
+            return None
+        data = grammar.bitmask
+        if data is None:
+            data = self.deferred_bitmasks.get()  # the engine core fills it meanwhile
+        position = {state.req_id: i for i, state in enumerate(rows)}
+        indices = [position.get(req_id, -1) for req_id in grammar.req_ids]
+        bitmask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(-1, grammar.words)
+        keep = [i for i, row in enumerate(indices) if row >= 0]
+        if len(keep) < len(indices):  # a row that does not sample this step (cannot happen)
+            bitmask = bitmask[keep]
+            indices = [indices[i] for i in keep]
+        if not indices:
+            return None
+        return (
+            torch.tensor(indices, dtype=torch.int64, device=device),
+            bitmask.to(device, non_blocking=True),
+        )
+
     def _sample_on_rank_0(
-        self, logits: torch.Tensor, rows: list[CachedRequestState]
+        self,
+        logits: torch.Tensor,
+        rows: list[CachedRequestState],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[SamplerOutput | None, list[int]]:
         """Rank 0 samples and sends its tokens to the other ranks, so that all append the same
         tokens and stay in lockstep (no rank depends on its own random state)."""
         output = None
         if get_tp_rank() == 0:
-            output = self._sample(logits, rows)
+            output = self._sample(logits, rows, grammar)
             tokens = output.sampled_token_ids.to(logits.device, torch.int64)
         else:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         return output, broadcast(tokens).tolist()
 
-    def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[CachedRequestState],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
         generators = {i: s.generator for i, s in enumerate(rows) if s.generator is not None}
         meta = build_sampling_metadata(
             params=[s.sampling_params for s in rows],
@@ -255,6 +296,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=logits.device,
         )
+        meta.grammar_bitmask = grammar
         return self.sampler(logits, meta)
 
     @staticmethod

@@ -35,6 +35,8 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None
     # (rows, token ids) whose logits are -inf because the request is below min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: (rows, int32 bitmask [rows, words]); a clear bit forbids a token.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
 
 
@@ -113,7 +115,9 @@ def _min_tokens_mask(
     rows: list[int] = []
     token_ids: list[int] = []
     for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(output) >= p.min_tokens:
+        # A grammar decides when a constrained output may end (it allows only EOS once the
+        # output is complete): min_tokens cannot hold it open.
+        if len(output) >= p.min_tokens or p.structured_outputs is not None:
             continue
         # The engine leaves EOS out of all_stop_token_ids under ignore_eos, so no check here.
         stops = [t for t in p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size]
@@ -135,9 +139,12 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if meta.min_tokens_mask is not None:
+        if meta.min_tokens_mask is not None or meta.grammar_bitmask is not None:
             logits = logits.clone()  # the caller's logits stay untouched
+        if meta.min_tokens_mask is not None:
             logits[meta.min_tokens_mask] = float("-inf")
+        if meta.grammar_bitmask is not None:
+            apply_token_bitmask(logits, *meta.grammar_bitmask)
         logits = apply_penalties(
             logits,
             meta.prompt_token_ids,
@@ -166,6 +173,26 @@ class Sampler:
             probs = apply_min_p(probs, meta.min_p)
         sampled = exponential_race(probs, meta.generators)
         return sampled if greedy is None else torch.where(meta.greedy_rows, greedy, sampled)
+
+
+_BIT_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place and in one batched op, every token a row's bitmask forbids.
+
+    Bit j of word i allows token 32*i + j (xgrammar's and llguidance's layout); tokens past
+    the bitmask's end are forbidden.
+    """
+    device = logits.device
+    shifts = _BIT_POSITIONS.get(device)
+    if shifts is None:
+        shifts = _BIT_POSITIONS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

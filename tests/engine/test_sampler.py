@@ -248,3 +248,47 @@ def test_zero_logprobs_returns_only_the_sampled_token() -> None:
 def test_top_k_at_or_beyond_vocab_means_off(top_k: int) -> None:
     meta = build_sampling_metadata([SamplingParams(top_k=top_k)], [[]], [[]], {}, VOCAB, "cpu")
     assert meta.top_k is None
+
+
+def test_token_bitmask_forbids_exactly_the_clear_bits_of_the_constrained_rows():
+    from tidegate.engine.worker.sampler import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, words = 70, 3  # 96 bits for 70 tokens: the tail bits are ignored
+    logits = torch.randn(5, vocab, generator=gen)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=gen)
+    rows = torch.tensor([1, 3])
+    masked = logits.clone()
+    apply_token_bitmask(masked, rows, bits)
+    for r in range(5):
+        for t in range(vocab):
+            allowed = r not in (1, 3) or (int(bits[[1, 3].index(r), t // 32]) >> (t % 32)) & 1
+            expected = logits[r, t].item() if allowed else float("-inf")
+            assert masked[r, t].item() == expected
+
+
+def test_constrained_rows_sample_only_allowed_tokens_greedy_and_random():
+    from tidegate.engine.sampling_params import StructuredOutputsParams
+
+    vocab = 40
+    allowed = [[5, 17], [33]]
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+    constraint = StructuredOutputsParams(regex="x")
+    params = [
+        SamplingParams(temperature=0, structured_outputs=constraint),
+        SamplingParams(temperature=1.0, seed=4, structured_outputs=constraint, min_tokens=3),
+        SamplingParams(temperature=0),
+    ]
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    meta = build_sampling_metadata(
+        params, [[1]] * 3, [[]] * 3, {1: torch.Generator().manual_seed(4)}, vocab, "cpu"
+    )
+    meta.grammar_bitmask = (torch.tensor([0, 1]), bitmask)
+    # min_tokens does not hold a constrained row open: its grammar decides when it ends.
+    assert meta.min_tokens_mask is None
+    tokens = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t]) and tokens[1] == 33
+    assert tokens[2] == int(logits[2].argmax())

@@ -14,12 +14,33 @@ import pytest
 
 from tests.e2e.server import ServerProcess
 from tidegate.engine import LLM, SamplingParams
+from tidegate.engine.sampling_params import StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Longer than the step budget below, so its prefill is computed in chunks.
 LONG_PROMPT = "The tide comes in and the tide goes out, " * 12
 PROMPTS = ["Hello, my name is", LONG_PROMPT, [5, 6, 7, 8, 9] * 20]
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 64, "num_gpu_blocks": 128}
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
+# Rank 0 samples under the grammar; the other rank must append the same tokens.
+CONSTRAINED = [
+    SamplingParams(
+        temperature=0,
+        max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA)),
+    ),
+    SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}(-[0-9]{2})?"),
+    ),
+]
 
 
 def _generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list[list[int]], float]:
@@ -29,8 +50,10 @@ def _generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list[list[int
         hits_before = llm.stats()["prefix_cache_hits"]
         second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         hits = llm.stats()["prefix_cache_hits"] - hits_before
+        constrained = llm.generate(PROMPTS[:2], CONSTRAINED)
     assert first == second
-    return first, hits
+    assert json.loads(constrained[0].outputs[0].text).keys() == {"id", "ok"}
+    return first + [o.outputs[0].token_ids for o in constrained], hits
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -40,6 +63,17 @@ def test_two_ranks_generate_the_tokens_of_one(model, request):
     two, hits_two = _generate(model_dir, 2)
     assert two == one
     assert hits_two == hits_one > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_with_async_scheduling_constrain_as_one_rank_does(tiny_llama_dir):
+    """Worker processes cannot wait for a bitmask after a step starts: a constrained request
+    skips the step planned before its token is known, and its tokens stay the same."""
+    with LLM(str(tiny_llama_dir), **ENGINE) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], CONSTRAINED)]
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=True, **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], CONSTRAINED)]
+    assert got == want
 
 
 def _generate_with_adapters(

@@ -1,0 +1,187 @@
+"""Structured outputs in the engine core: grammars compiled off the step loop, one matcher per
+request, and the bitmask of each step.
+
+A constrained request waits in WAITING_FOR_GRAMMAR until its grammar is compiled (on the
+manager's thread, cached by schema); then it is scheduled like any other. Its matcher follows
+exactly its output tokens: each sampled token is accepted when the step's output is applied.
+Preemption recomputes a request's KV but keeps its tokens, so the matcher keeps its state; a
+token dropped after it was accepted (nothing in this engine drops one yet) is undone with
+`rollback`. Before a step samples, `fill_bitmask` writes which tokens each constrained row may
+take, and the sampler masks every other token in one batched op.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tidegate.engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tidegate.engine.structured_output import GrammarMatcher, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarCompiler:
+    """Compiles the grammars of one engine core; the library loads on the first request.
+
+    Building a backend reads the tokenizer's whole vocabulary (about a second), so it happens
+    on a thread of its own when the first constrained request arrives, never in the step loop
+    and never for an engine that serves no constrained request.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        tokenizer_folder: str | Path,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_cached_grammars: int = 256,
+    ) -> None:
+        library = {"xgrammar": "xgrammar", "guidance": "llguidance"}.get(backend)
+        if library is not None and importlib.util.find_spec(library) is None:
+            # Asked for by name: refuse to start rather than refuse every constrained request.
+            raise ValueError(
+                f"structured_outputs_backend {backend} needs the {library} package; install "
+                f"it (pip install 'tidegate[{'xgrammar' if library == 'xgrammar' else 'engine'}]')"
+                " or choose auto"
+            )
+        self.backend_name = backend
+        self.tokenizer_folder = tokenizer_folder
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_cached_grammars = max_cached_grammars
+        self._manager: Future[StructuredOutputManager] | None = None
+        self._lock = threading.Lock()
+        # Called (from a compile thread) when a grammar is ready: wakes an idle loop.
+        self.wakeup: Callable[[], None] | None = None
+
+    def _build_manager(self) -> StructuredOutputManager:
+        from tidegate.engine.structured_output import StructuredOutputManager, create_backend
+
+        backend = create_backend(
+            self.backend_name, self.tokenizer_folder, self.vocab_size, self.eos_token_ids
+        )
+        logger.info("structured outputs: %s grammars", backend.name)
+        return StructuredOutputManager(backend, max_cached_grammars=self.max_cached_grammars)
+
+    def _manager_future(self) -> Future[StructuredOutputManager]:
+        with self._lock:
+            if self._manager is None:
+                self._manager = Future()
+                threading.Thread(
+                    target=_run_into,
+                    args=(self._manager, self._build_manager),
+                    daemon=True,
+                    name="grammar-backend",
+                ).start()
+            return self._manager
+
+    @property
+    def manager(self) -> StructuredOutputManager:
+        """The manager (blocks until the library has loaded; raises if it failed to)."""
+        return self._manager_future().result()
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar (a GrammarError when it does not compile)."""
+        manager = self._manager_future()
+        if manager.done() and manager.exception() is None:
+            compiled = manager.result().compile_async(params)
+        else:
+            compiled = Future()
+            manager.add_done_callback(lambda done: _chain(done, params, compiled))
+        if self.wakeup is not None:
+            wakeup = self.wakeup
+            compiled.add_done_callback(lambda _: wakeup())
+        return compiled
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (a build still running is left to finish on its own)."""
+        if self._manager is not None and self._manager.done() and not self._manager.exception():
+            self._manager.result().shutdown()
+
+
+def _run_into(future: Future, fn: Callable[[], object]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as error:
+        future.set_exception(error)
+
+
+def _chain(manager: Future, params: StructuredOutputsParams, into: Future) -> None:
+    """Once the manager exists, compile with it and pass the outcome on to `into`."""
+    if manager.exception() is not None:
+        into.set_exception(manager.exception())
+        return
+    compiled = manager.result().compile_async(params)
+
+    def copy(done: Future) -> None:
+        if done.exception() is not None:
+            into.set_exception(done.exception())
+        else:
+            into.set_result(done.result())
+
+    compiled.add_done_callback(copy)
+
+
+class RequestGrammar:
+    """One request's grammar: a compile in flight, then a matcher over its output tokens."""
+
+    def __init__(self, compiled: Future, compiler: GrammarCompiler) -> None:
+        self.compiled = compiled  # done once compiled (or failed)
+        self._compiler = compiler
+        self.matcher: GrammarMatcher | None = None
+        self.num_accepted = 0
+
+    def poll(self) -> bool:
+        """True once the matcher is ready; False while compiling; raises when it failed."""
+        if self.matcher is not None:
+            return True
+        if not self.compiled.done():
+            return False
+        compiled = self.compiled.result()  # raises the compile's error
+        self.matcher = self._compiler.manager.new_matcher(compiled)
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over one sampled token; False if the grammar forbids it."""
+        assert self.matcher is not None
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        assert self.matcher is not None and num_tokens <= self.num_accepted
+        self.matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+
+    @property
+    def is_terminated(self) -> bool:
+        """True when the output is complete and the grammar can take nothing more."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+def build_bitmask(compiler: GrammarCompiler, grammars: list[RequestGrammar | None]) -> bytes:
+    """Each row's allowed next tokens, as GrammarBitmask.bitmask bytes (None: every token)."""
+    manager = compiler.manager
+    bitmask = manager.allocate_bitmask(len(grammars))
+    live = [i for i, g in enumerate(grammars) if g is not None]
+    if len(live) == len(grammars):
+        manager.fill_bitmasks([g.matcher for g in grammars], bitmask)
+    else:
+        bitmask[:] = -1
+        if live:
+            rows = manager.allocate_bitmask(len(live))
+            manager.fill_bitmasks([grammars[i].matcher for i in live], rows)
+            bitmask[live] = rows
+    return np.ascontiguousarray(bitmask, dtype=np.int32).tobytes()
