@@ -21,18 +21,54 @@ CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Each turn is "<|role|>\n{content}</s>\n"; content may be a string or a list of text parts.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+# With tools (Hermes' style): a system turn lists them in <tools></tools> and asks for
+# <tool_call> blocks; an assistant turn writes its calls as such blocks, and a tool result is a
+# user turn in <tool_response></tool_response>. Without tools the text is what it always was.
+_CONTENT = (
+    "{% if content is string %}{{ content }}"
+    "{% elif content %}{% for part in content %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+)
+CHAT_TEMPLATE = (
+    "{% macro render_content(content) %}" + _CONTENT + "{% endmacro %}"
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ render_content(messages[0]['content']) + '\\n\\n' }}"
+    "{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\' }}'
     "{{ eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('roles must be system, user, assistant or tool') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + render_content(message['content']) }}"
+    "{{ '\\n</tool_response>' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + render_content(message['content']) }}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}"
+    "{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

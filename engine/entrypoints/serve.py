@@ -97,6 +97,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         drain=drain,
         loras=loras,
         allow_runtime_lora_updates=server_args.allow_runtime_lora_updates,
+        tool_call_parser=server_args.tool_call_parser,
     )
     config = uvicorn.Config(
         app,

@@ -257,7 +257,7 @@ def test_chat_template_renders_turns(tokenizer_pair):
     ids = hf.apply_chat_template(messages[:2], add_generation_prompt=False)["input_ids"]
     assert ids[:2] == [1, 3] and ids.count(2) == 2  # <s><|system|>, one </s> per turn
     with pytest.raises(Exception, match="roles must be"):
-        hf.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        hf.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
 
 
 def test_config_reads_both_architectures(tiny_llama_dir, tiny_qwen2_dir):

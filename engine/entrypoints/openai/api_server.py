@@ -66,6 +66,7 @@ def build_app(
     drain: Drain | None = None,
     loras: LoRAServing | None = None,
     allow_runtime_lora_updates: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
@@ -73,6 +74,7 @@ def build_app(
     With `drain`, it counts requests in flight for it and refuses new ones once it starts.
     With `loras`, a request's `model` may name one of its adapters; with
     `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
+    With `tool_call_parser`, chat requests with tools may leave tool_choice "auto".
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -88,7 +90,7 @@ def build_app(
         # Outermost: a request that comes while draining is refused before anything else.
         app.add_middleware(DrainMiddleware, drain=drain)
     completions = CompletionServing(engine)
-    chat = ChatServing(engine)
+    chat = ChatServing(engine, tool_call_parser)
     created = int(time.time())
 
     def check_model(name: str | None) -> None:

@@ -126,7 +126,8 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
             detail = error.get("ctx", {}).get("error", "invalid JSON")
             where = f" at character {loc[0]}" if loc else ""
             return f"the request body is not valid JSON: {detail}{where}", None
-        path = _field_path(loc)
+        # A check across fields (request_body.FieldError) names its field itself.
+        path = _field_path(loc) or getattr(error.get("ctx", {}).get("error"), "param", "")
         top = path.split(".")[0].split("[")[0]
         if top in fields:
             continue  # a union reports each of its members; one message per field is enough

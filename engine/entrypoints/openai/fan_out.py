@@ -198,12 +198,12 @@ async def collect(
 async def stream_chunks(
     merged: MergedIterators[list[RequestOutput]],
     states: Sequence[ChoiceState],
-    chunk: Callable[[int, RequestOutput], C | None],
+    chunks_of: Callable[[int, RequestOutput], list[C]],
     usage_chunk: Callable[[], C] | None,
 ) -> AsyncIterator[list[C]]:
     """A streamed response's chunks, one list per write: every delta ready since the last.
 
-    `chunk` makes choice i's delta a chunk (None: nothing to show yet). `usage_chunk`, when
+    `chunks_of` makes choice i's delta chunks (none: nothing to show yet). `usage_chunk`, when
     the client asked for usage, ends the list in which the last choice finishes. Closes
     `merged` however the stream ends.
     """
@@ -213,9 +213,7 @@ async def stream_chunks(
             for index, outputs in ready:
                 for output in outputs:
                     states[index].add(output)
-                    made = chunk(index, output)
-                    if made is not None:
-                        chunks.append(made)
+                    chunks.extend(chunks_of(index, output))
             if usage_chunk is not None and all(state.finished for state in states):
                 chunks.append(usage_chunk())
                 usage_chunk = None

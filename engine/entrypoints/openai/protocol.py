@@ -6,13 +6,22 @@ answer but are not implemented are refused with a message naming the field.
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from tidegate.engine.entrypoints.openai.request_body import FieldError, RequestBody
+from tidegate.engine.entrypoints.openai.structured_outputs import ConstrainedRequest
+from tidegate.engine.entrypoints.openai.tools import (
+    ChatTool,
+    MessageToolCall,
+    NamedToolChoice,
+    ToolChoiceMode,
+    check_tool_choice,
+    tool_constraint,
+)
 from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
-from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 # Request fields passed to SamplingParams as they are; null means the engine's default.
@@ -34,53 +43,15 @@ _SAMPLING_FIELDS = (
 )
 
 
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-def _lone_surrogate(value: Any) -> tuple[str, str] | None:
-    """Where (as `[0].content`) and which lone surrogate a JSON value holds, if any.
-
-    JSON can escape one (`"\\ud800"`) though it is no character: neither the tokenizer nor
-    UTF-8 can take it. Walked without recursion, as the nesting is the client's to choose.
-    """
-    pending: list[tuple[str, Any]] = [("", value)]
-    while pending:
-        where, item = pending.pop()
-        if isinstance(item, str) and (match := _SURROGATE.search(item)):
-            return where, match.group()
-        if isinstance(item, dict):
-            pending.extend((where, key) for key in item)
-            pending.extend((f"{where}.{key}", child) for key, child in item.items())
-        elif isinstance(item, list):
-            pending.extend((f"{where}[{i}]", child) for i, child in enumerate(item))
-    return None
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        found = _lone_surrogate(value)
-        if found is not None:
-            where, char = found
-            raise ValueError(
-                f"{info.field_name}{where} is not valid Unicode: it holds the lone surrogate "
-                f"{char!r}; a \\uD800-\\uDFFF escape must be one half of a surrogate pair"
-            )
-        return value
-
-
 def _unsupported(name: str, detail: str = "") -> ValueError:
     return ValueError(f"{name} is not supported by this server{detail}")
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(ConstrainedRequest):
     """The fields completions and chat share; they become one SamplingParams."""
 
     model: str
@@ -138,7 +109,13 @@ class SamplingRequest(_Body):
             for name in _SAMPLING_FIELDS
             if getattr(self, name) is not None
         }
-        return SamplingParams(n=1, max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            structured_outputs=self.output_constraint(),
+            **given,
+        )
 
 
 def _check_prompt(prompt: Any) -> Any:
@@ -204,11 +181,17 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class ChatMessage(_Body):
-    """One turn; content is text or a list of {"type": "text", "text": ...} parts."""
+class ChatMessage(RequestBody):
+    """One turn; content is text or a list of {"type": "text", "text": ...} parts.
+
+    An assistant turn may carry the tool calls it made, and a "tool" turn answers one of them.
+    """
 
     role: str
     content: str | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -225,8 +208,28 @@ class ChatMessage(_Body):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def for_template(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content or ""}
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(
+                f"tool_calls belong to assistant messages; this one's role is {self.role!r}"
+            )
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError(
+                "a message of role 'tool' needs tool_call_id: the id of the call it answers"
+            )
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The turn as Hugging Face chat templates take it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -237,11 +240,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: Any = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, "none" without (as OpenAI).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # deprecated by OpenAI; refused, naming tools
+    function_call: Any = None  # deprecated by OpenAI; refused, naming tool_choice
 
     @field_validator("top_logprobs")
     @classmethod
@@ -250,26 +254,98 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return top
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        if value:
-            raise _unsupported(str(info.field_name))
+    def _distinct_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"tools must have distinct function names; {', '.join(map(repr, repeated))} "
+                "appears more than once"
+            )
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        return check_tool_choice(value)
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none"):
+            replacement = (
+                'tools (each {"type": "function", "function": {...}})'
+                if info.field_name == "functions"
+                else "tool_choice"
+            )
+            raise ValueError(
+                f"{info.field_name} is deprecated and not supported by this server; "
+                f"send {replacement} instead"
+            )
         return value
 
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, "none"):
-            raise _unsupported(str(info.field_name), " (only 'none')")
-        return value
+    @model_validator(mode="after")
+    def _tools_fit(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or []]
+        if not names:
+            if choice not in (None, "none"):
+                raise FieldError(
+                    f"tool_choice {self._choice_text()} needs tools; this request has none",
+                    "tool_choice",
+                )
+            return self
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError(
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(map(repr, names))})",
+                "tool_choice",
+            )
+        constrained = self.constraint_fields()
+        if self.tool_choice_mode != "none" and constrained:
+            raise FieldError(
+                f"tool_choice {self._choice_text()} and {constrained[0]} both decide the "
+                f"output's shape; send tool_choice 'none' to use {constrained[0]} with tools",
+                "tool_choice",
+            )
+        return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
-            raise _unsupported("response_format", " (only {'type': 'text'})")
-        return value
+    def _choice_text(self) -> str:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return f"naming {choice.function.name!r}"
+        return repr(choice or "auto")  # None with tools: the default, auto
+
+    @property
+    def tool_choice_mode(self) -> ToolChoiceMode:
+        """How tools are used: "none" without tools, "auto" by default with them."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice
+
+    @property
+    def named_function(self) -> str | None:
+        """The function a named tool_choice calls."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """A required or named tool_choice's grammar, else the request's own constraint."""
+        mode = self.tool_choice_mode
+        if mode == "required" or mode == "named":
+            assert self.tools is not None
+            return tool_constraint(self.tools, mode, self.named_function, self.parallel_tool_calls)
+        return super().output_constraint()
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them; None without tools."""
+        return [tool.for_template() for tool in self.tools] if self.tools else None
 
     @property
     def output_limit(self) -> int | None:
@@ -279,7 +355,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a prompt, or a conversation rendered with the chat template."""
 
     model: str | None = None
@@ -295,21 +371,21 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: str | None = None
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(_Body):
+class LoadLoRAAdapterRequest(RequestBody):
     """POST /v1/load_lora_adapter (vLLM's body)."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(_Body):
+class UnloadLoRAAdapterRequest(RequestBody):
     """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
 
     lora_name: str

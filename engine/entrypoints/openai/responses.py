@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -63,9 +63,38 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class _PresentOnly(BaseModel):
+    """A model whose null fields are left out of its JSON, as OpenAI's deltas and calls are."""
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reply: content null when it is only tool calls; tool_calls left out when none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler: SerializerFunctionWrapHandler) -> Any:
+        message = handler(self)
+        if message.get("tool_calls") is None:
+            message.pop("tool_calls", None)
+        return message
 
 
 class ChatChoice(BaseModel):
@@ -86,15 +115,26 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(_PresentOnly):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_PresentOnly):
+    """A call's first delta has its id, type and name (arguments ""); later ones, arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_PresentOnly):
     """What a chunk adds to a message; absent fields are left out, not null."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer
-    def _present_only(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import jinja2
 from fastapi.responses import JSONResponse
@@ -34,34 +35,59 @@ from tidegate.engine.entrypoints.openai.responses import (
     DeltaMessage,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
+from tidegate.engine.entrypoints.openai.tool_calls import ChoiceToolCalls, parser_factory
+from tidegate.engine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from tidegate.engine.messages import LoRARequest
 from tidegate.engine.outputs import Logprob, RequestOutput
 from tidegate.engine.tokenizer import Tokenizer
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """A conversation as text, through the model's chat template (ValueError if it refuses)."""
+    """A conversation as text, through the model's chat template (ValueError if it refuses).
+
+    `tools` (OpenAI's tool dicts) reach the template as Hugging Face passes them: always
+    defined, None without tools.
+    """
     try:
         return tokenizer.apply_chat_template(
-            [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt
+            [m.for_template() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template could not render the conversation: {exc}") from exc
 
 
-def chat_prompt_token_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_token_ids(
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of a conversation as chat sends it to the engine."""
     # The template writes BOS itself; encoding must not add a second one.
-    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+    text = render_chat(tokenizer, messages, tools=tools)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class ChatServing:
-    """Runs chat completion requests against an engine."""
+    """Runs chat completion requests against an engine.
 
-    def __init__(self, engine: EngineClient) -> None:
+    `tool_call_parser` (one of TOOL_PARSERS) reads outputs for calls under tool_choice "auto".
+    """
+
+    def __init__(self, engine: EngineClient, tool_call_parser: str | None = None) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser {tool_call_parser!r} is not known; "
+                f"choose one of {', '.join(TOOL_PARSERS)}"
+            )
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
 
     async def create(
         self,
@@ -71,7 +97,10 @@ class ChatServing:
     ) -> Response:
         """Render, validate every choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("chatcmpl", http_request)
-        token_ids = chat_prompt_token_ids(self.engine.tokenizer, body.messages)
+        new_parser = parser_factory(body, self.tool_call_parser)
+        token_ids = chat_prompt_token_ids(
+            self.engine.tokenizer, body.messages, body.template_tools()
+        )
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=body.output_limit, logprobs=num_top)
         subs = build_sub_requests(
@@ -90,20 +119,28 @@ class ChatServing:
             header = ChatCompletionChunk(
                 id=request_id, created=created, model=body.model, choices=[]
             )
-            chunks = self._stream(body, header, merged, len(subs))
+            calls = self._choice_calls(body, new_parser, len(subs))
+            chunks = self._stream(body, header, merged, calls)
             return EventStreamResponse(sse_events(chunks), on_close=merged.aclose)
 
         states = await cancel_on_disconnect(http_request, run_to_completion(self.engine, subs))
-        choices = [
-            ChatChoice(
+        choices = []
+        for index, (state, calls) in enumerate(
+            zip(states, self._choice_calls(body, new_parser, len(states)), strict=True)
+        ):
+            message = AssistantMessage(content=state.text)
+            finish_reason = state.finish_reason
+            if calls is not None:
+                message = calls.message(state.text)
+                finish_reason = calls.finish_reason(finish_reason)
+            choice = ChatChoice(
                 index=index,
-                message=AssistantMessage(content=state.text),
+                message=message,
                 logprobs=self._logprobs(body, state.token_ids, state.logprobs),
-                finish_reason=state.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=state.stop_reason,
             )
-            for index, state in enumerate(states)
-        ]
+            choices.append(choice)
         response = ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -113,6 +150,17 @@ class ChatServing:
             kv_transfer_params=states[0].kv_transfer_params,
         )
         return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _choice_calls(
+        body: ChatCompletionRequest,
+        new_parser: Callable[[], ToolParser] | None,
+        num_choices: int,
+    ) -> list[ChoiceToolCalls | None]:
+        """Each choice's own reader of calls (None each when tool_choice is none)."""
+        if new_parser is None:
+            return [None] * num_choices
+        return [ChoiceToolCalls(new_parser(), body.parallel_tool_calls) for _ in range(num_choices)]
 
     def _logprobs(
         self,
@@ -129,13 +177,14 @@ class ChatServing:
         body: ChatCompletionRequest,
         header: ChatCompletionChunk,
         merged: MergedIterators[list[RequestOutput]],
-        num_choices: int,
+        calls: list[ChoiceToolCalls | None],
     ) -> AsyncIterator[list[ChatCompletionChunk]]:
         """The role of every choice in one write, then the deltas as they come."""
+        num_choices = len(calls)
         states = [ChoiceState() for _ in range(num_choices)]
 
-        def chunk(index: int, output: RequestOutput) -> ChatCompletionChunk | None:
-            return self._chunk(body, header, index, output)
+        def chunk(index: int, output: RequestOutput) -> list[ChatCompletionChunk]:
+            return self._chunks(body, header, index, output, calls[index])
 
         def usage_chunk() -> ChatCompletionChunk:
             return header.model_copy(update={"usage": usage(states, body.n)})
@@ -153,23 +202,35 @@ class ChatServing:
             await deltas.aclose()
             await merged.aclose()  # deltas closes it too, unless it never started
 
-    def _chunk(
+    def _chunks(
         self,
         body: ChatCompletionRequest,
         header: ChatCompletionChunk,
         index: int,
         output: RequestOutput,
-    ) -> ChatCompletionChunk | None:
-        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        calls: ChoiceToolCalls | None,
+    ) -> list[ChatCompletionChunk]:
+        """One delta as chunks: none for text held back (a stop-string or a call's prefix).
+
+        With calls, a call's start and its arguments are chunks of their own; the delta's
+        logprobs go with the first chunk, its finish_reason with the last.
+        """
         delta = output.outputs[0]
         has_logprobs = body.logprobs and bool(delta.token_ids)
-        if not delta.text and delta.finish_reason is None and not has_logprobs:
-            return None
-        choice = ChatStreamChoice(
-            index=index,
-            delta=DeltaMessage(content=delta.text or None),
-            logprobs=self._logprobs(body, delta.token_ids, delta.logprobs or []),
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-        )
-        return header.model_copy(update={"choices": [choice]})
+        finished = delta.finish_reason is not None
+        finish_reason = delta.finish_reason
+        if calls is None:
+            messages = [DeltaMessage(content=delta.text or None)]
+            if not delta.text and not finished and not has_logprobs:
+                return []
+        else:
+            messages = calls.deltas(delta.text, finished)
+            finish_reason = calls.finish_reason(finish_reason)
+            if not messages and not finished and not has_logprobs:
+                return []
+            messages = messages or [DeltaMessage()]
+        choices = [ChatStreamChoice(index=index, delta=message) for message in messages]
+        choices[0].logprobs = self._logprobs(body, delta.token_ids, delta.logprobs or [])
+        choices[-1].finish_reason = finish_reason
+        choices[-1].stop_reason = delta.stop_reason
+        return [header.model_copy(update={"choices": [choice]}) for choice in choices]

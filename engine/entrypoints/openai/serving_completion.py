@@ -109,8 +109,9 @@ class CompletionServing:
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
 
-        def chunk(index: int, output: RequestOutput) -> CompletionResponse | None:
-            return self._chunk(body, header, index, output, text_offsets)
+        def chunk(index: int, output: RequestOutput) -> list[CompletionResponse]:
+            made = self._chunk(body, header, index, output, text_offsets)
+            return [made] if made is not None else []
 
         def usage_chunk() -> CompletionResponse:
             return header.model_copy(update={"usage": usage(states, body.n)})

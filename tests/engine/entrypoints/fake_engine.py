@@ -51,6 +51,8 @@ class FakeEngine:
         self.held_back_steps: set[int] = set()
         # Outputs handed over per item, as when the consumer fell that many steps behind.
         self.steps_per_item = 1
+        # Texts to generate instead of SCRIPT: choice i (engine id "...-<i>") gets texts[i].
+        self.texts: list[str] | None = None
 
     async def generate(
         self, request: EngineCoreRequest, prompt: str | None = None
@@ -75,7 +77,7 @@ class FakeEngine:
         self, request: EngineCoreRequest, prompt: str | None
     ) -> AsyncIterator[RequestOutput]:
         params = request.sampling_params
-        ids = self.script_ids[: params.max_tokens]
+        ids = self._script_ids(request)[: params.max_tokens]
         shown = 0
         for step, token_id in enumerate(ids):
             dies = request.request_id.endswith(self.die_suffix)
@@ -108,6 +110,12 @@ class FakeEngine:
                 finished=last,
                 num_cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
             )
+
+    def _script_ids(self, request: EngineCoreRequest) -> list[int]:
+        if self.texts is None:
+            return self.script_ids
+        choice = int(request.request_id.rsplit("-", 1)[1])
+        return self.tokenizer.encode(self.texts[choice], add_special_tokens=False)
 
     def _logprobs(self, token_id: int, num: int | None) -> list[dict[int, Logprob]] | None:
         if num is None:

@@ -225,11 +225,33 @@ CONTENT = field(
     odd=pick(ODD_TEXT, st.lists(JUNK, min_size=1, max_size=2)),
 )
 ROLE = field(st.sampled_from(["user", "assistant", "system"]), "", "tool", "developer", "robot")
+# A call an assistant turn made; arguments are JSON text, or (passed as they are) any text.
+TOOL_CALL = st.fixed_dictionaries(
+    {
+        "id": SHORT_TEXT,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": SHORT_TEXT, "arguments": st.sampled_from(["{}", '{"a": [1]}', "not json"])}
+        ),
+    }
+)
 MESSAGE_FIELDS = (
     {"role": ROLE, "content": CONTENT},
-    {"name": field(SHORT_TEXT), "tool_call_id": field(SHORT_TEXT), "tool_calls": field(JUNK)},
+    {
+        "name": field(SHORT_TEXT),
+        "tool_call_id": field(SHORT_TEXT),
+        "tool_calls": field(st.lists(TOOL_CALL, max_size=2), [{"type": "function"}]),
+    },
 )
-VALID_MESSAGE = bodies(*MESSAGE_FIELDS, max_odd=0)
+
+
+def _calls_only_from_the_assistant(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("role") == "assistant":
+        return message
+    return {k: v for k, v in message.items() if k != "tool_calls"}
+
+
+VALID_MESSAGE = bodies(*MESSAGE_FIELDS, max_odd=0).map(_calls_only_from_the_assistant)
 # A conversation has several messages: one odd in five leaves most conversations valid.
 ANY_MESSAGE = mostly(VALID_MESSAGE, bodies(*MESSAGE_FIELDS, max_odd=1), one_in=5)
 HI = {"role": "user", "content": "hi"}

@@ -116,9 +116,9 @@ def test_one_bad_prompt_in_a_batch_submits_nothing(api, engine):
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ],
 )
