@@ -207,6 +207,10 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     }
     if spec.model.max_model_len is not None:
         values["max_model_len"] = spec.model.max_model_len
+    if spec.model.tool_call_parser is not None:
+        # Every role alike: the router sends a prefill pod the client's request, tools and
+        # tool_choice included, and a server without a parser refuses tool_choice auto.
+        values["tool_call_parser"] = spec.model.tool_call_parser
     if spec.model.cache is not None:
         values["compile_cache_dir"] = ctx.compile_cache_dir()
     if tuning.role != "unified":

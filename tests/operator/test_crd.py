@@ -439,6 +439,13 @@ INVALID = [
         "spec.model.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'",
     ),
     _row(
+        "tool-call-parser-not-the-engines",
+        {"model": {"toolCallParser": "qwen"}},
+        'spec.model.toolCallParser: Unsupported value: "qwen": supported values: "hermes", '
+        '"llama3_json", "mistral"',
+        "spec.model.toolCallParser: Input should be 'hermes', 'llama3_json' or 'mistral'",
+    ),
+    _row(
         "block-size-24",
         {"scheduling": {"blockSize": 24}},
         'spec.scheduling.blockSize: Unsupported value: 24: supported values: "16", "32", "64"',
@@ -881,6 +888,7 @@ _models = st.fixed_dictionaries(
         "numKeyValueHeads": st.integers(1, 128),
         "maxModelLen": st.integers(16, 1_000_000),
         "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
+        "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
     },
 )
 _roles = _some(

@@ -15,7 +15,7 @@ import io
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import kubernetes_validate
 import pytest
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.operator.apiserver_validation import apiserver_refusals
-from tests.operator.crd_validation import CRDValidator, load_crd
+from tests.operator.crd_validation import CRDValidator, load_crd, version_schema
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
 from tidegate.operator.kube import OWNED_KINDS
@@ -361,6 +361,7 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
                 "maxModelLen": st.sampled_from([2048, 8192, 32768]),
                 "dtype": st.sampled_from(["auto", "bfloat16", "float16"]),
                 "cache": st.sampled_from([HOST_CACHE, PVC_CACHE]),
+                "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
             },
         )
     )
@@ -1750,3 +1751,60 @@ def test_plan_without_adapters_says_nothing_of_lora() -> None:
     table = plan_table({"model": model()})
     assert "adapters" not in table and "maxLoras" not in table
     assert "adapters: none yet" in plan_table(LORA_ON)
+
+
+# --- tool calls (spec.model.toolCallParser) ---------------------------------------------------
+
+CRD_MODEL = version_schema(load_crd(), "v1alpha1")["properties"]["spec"]["properties"]["model"]
+TOOL_CALL_PARSERS = CRD_MODEL["properties"]["toolCallParser"]["enum"]
+# Each way engine pods are laid out, with the roles whose pods run `tidegate serve`.
+ENGINE_LAYOUTS = {
+    "unified": ({"model": model()}, {"unified"}),
+    "unified-behind-a-router": (TABLE["unified-to-zero-behind-a-router"], {"unified"}),
+    "disaggregated": (SPLIT, {"prefill", "decode"}),
+}
+
+
+def test_the_crd_offers_exactly_the_engines_tool_call_parsers() -> None:
+    (engine,) = [
+        get_args(choices)
+        for choices in get_args(ServerArgs.model_fields["tool_call_parser"].annotation)
+        if choices is not type(None)
+    ]
+    assert sorted(TOOL_CALL_PARSERS) == sorted(engine)
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_the_tool_call_parser_reaches_every_engine_role_and_the_engine_takes_it(
+    layout: str, tmp_path: Path
+) -> None:
+    spec, engine_roles = ENGINE_LAYOUTS[layout]
+    for parser in TOOL_CALL_PARSERS:
+        rendered = render_spec(spec | {"model": {**spec["model"], "toolCallParser": parser}})
+        assert set(rendered.tuning.roles) == engine_roles
+        texts = config_map(rendered)["data"]
+        for role in engine_roles:
+            path = tmp_path / f"{role}.yaml"
+            path.write_text(texts[f"{role}.yaml"], encoding="utf-8")
+            values = load_config_file(str(path), [EngineArgs, ServerArgs])
+            server = ServerArgs(**{k: v for k, v in values.items() if k in ServerArgs.model_fields})
+            assert server.tool_call_parser == parser
+        # The router reads no output for calls; its config has no such flag.
+        if "router.yaml" in texts:
+            assert "tool-call-parser" not in yaml.safe_load(texts["router.yaml"])
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_without_a_tool_call_parser_no_role_gets_one(layout: str) -> None:
+    spec, _ = ENGINE_LAYOUTS[layout]
+    for text in config_map(render_spec(spec))["data"].values():
+        assert "tool-call-parser" not in yaml.safe_load(text)
+
+
+def test_setting_or_changing_the_tool_call_parser_rolls_the_engine_pods_not_the_router() -> None:
+    none = hashes(SPLIT)
+    hermes = hashes(SPLIT | {"model": model(toolCallParser="hermes")})
+    mistral = hashes(SPLIT | {"model": model(toolCallParser="mistral")})
+    for engine in ("llm-prefill", "llm-decode"):
+        assert len({none[engine], hermes[engine], mistral[engine]}) == 3
+    assert none["llm-router"] == hermes["llm-router"] == mistral["llm-router"]
