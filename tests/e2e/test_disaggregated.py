@@ -7,6 +7,7 @@ none left a router that holds no requests (--max-pending 0) answers 503 at once.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -177,6 +178,40 @@ def test_an_adapters_prompt_is_pulled_and_decoded_under_the_same_adapter(stack: 
     assert complete(stack["router"], prompt, stream=True, model=ADAPTER) == expected
     assert metric(stack["consumer"], "prompt_tokens_computed_total") - computed == 1
     assert metric(stack["consumer"], "kv_transfer_fallbacks_total") == 0
+
+
+def test_the_consumer_constrains_a_structured_request(stack: dict) -> None:
+    """The producer computes the prompt unconstrained (its one token is thrown away); the
+    consumer compiles the grammar and constrains every token, as a unified server does."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["id", "tags"],
+        "additionalProperties": False,
+    }
+    messages = [
+        {"role": "system", "content": "You answer in JSON. " * 30},
+        {"role": "user", "content": "Give me a record."},
+    ]
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=200,
+        temperature=0,
+        timeout=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
+    expected = client(stack["unified"]).chat.completions.create(**kwargs).choices[0].message
+    computed = metric(stack["consumer"], "prompt_tokens_computed_total")
+    got = client(stack["router"]).chat.completions.create(**kwargs).choices[0].message
+    assert got.content == expected.content
+    assert set(json.loads(got.content)) == {"id", "tags"}
+    assert metric(stack["consumer"], "prompt_tokens_computed_total") - computed == 1
+    chunks = client(stack["router"]).chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == got.content
 
 
 def test_kv_computed_under_an_adapter_is_never_decoded_under_another(stack: dict) -> None:
