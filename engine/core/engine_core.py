@@ -14,7 +14,7 @@ import msgspec
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
-from tidegate.engine.core.request import Request
+from tidegate.engine.core.request import Request, RequestStatus
 from tidegate.engine.core.request_grammar import GrammarCompiler
 from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
@@ -197,7 +197,11 @@ class EngineCore:
         """Block until a waiting request's grammar has compiled (or failed); offline use."""
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        pending = [r.grammar.compiled for r in self.scheduler.waiting if r.grammar is not None]
+        pending = [
+            r.grammar.compiled
+            for r in self.scheduler.waiting
+            if r.status is RequestStatus.WAITING_FOR_GRAMMAR
+        ]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
         self._stalled = False

@@ -4,15 +4,14 @@ request, and the bitmask of each step.
 A constrained request waits in WAITING_FOR_GRAMMAR until its grammar is compiled (on the
 manager's thread, cached by schema); then it is scheduled like any other. Its matcher follows
 exactly its output tokens: each sampled token is accepted when the step's output is applied.
-Preemption recomputes a request's KV but keeps its tokens, so the matcher keeps its state; a
-token dropped after it was accepted (nothing in this engine drops one yet) is undone with
-`rollback`. Before a step samples, `fill_bitmask` writes which tokens each constrained row may
+Preemption recomputes a request's KV but keeps its tokens, so the matcher keeps its state
+(nothing in this engine drops a token once accepted, so nothing calls the matcher's
+`rollback`). Before a step samples, `fill_bitmask` writes which tokens each constrained row may
 take, and the sampler masks every other token in one batched op.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -20,9 +19,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tidegate.engine.sampling_params import StructuredOutputsParams
+from tidegate.engine.structured_output.backend import require_library
 
 if TYPE_CHECKING:
     from tidegate.engine.structured_output import GrammarMatcher, StructuredOutputManager
@@ -46,14 +44,9 @@ class GrammarCompiler:
         eos_token_ids: Sequence[int],
         max_cached_grammars: int = 256,
     ) -> None:
-        library = {"xgrammar": "xgrammar", "guidance": "llguidance"}.get(backend)
-        if library is not None and importlib.util.find_spec(library) is None:
+        if backend != "auto":
             # Asked for by name: refuse to start rather than refuse every constrained request.
-            raise ValueError(
-                f"structured_outputs_backend {backend} needs the {library} package; install "
-                f"it (pip install 'tidegate[{'xgrammar' if library == 'xgrammar' else 'engine'}]')"
-                " or choose auto"
-            )
+            require_library(backend)
         self.backend_name = backend
         self.tokenizer_folder = tokenizer_folder
         self.vocab_size = vocab_size
@@ -139,7 +132,6 @@ class RequestGrammar:
         self.compiled = compiled  # done once compiled (or failed)
         self._compiler = compiler
         self.matcher: GrammarMatcher | None = None
-        self.num_accepted = 0
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling; raises when it failed."""
@@ -154,16 +146,7 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         """Advance over one sampled token; False if the grammar forbids it."""
         assert self.matcher is not None
-        if not self.matcher.accept_token(token_id):
-            return False
-        self.num_accepted += 1
-        return True
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens."""
-        assert self.matcher is not None and num_tokens <= self.num_accepted
-        self.matcher.rollback(num_tokens)
-        self.num_accepted -= num_tokens
+        return self.matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
@@ -174,14 +157,12 @@ class RequestGrammar:
 def build_bitmask(compiler: GrammarCompiler, grammars: list[RequestGrammar | None]) -> bytes:
     """Each row's allowed next tokens, as GrammarBitmask.bitmask bytes (None: every token)."""
     manager = compiler.manager
-    bitmask = manager.allocate_bitmask(len(grammars))
+    bitmask = manager.allocate_bitmask(len(grammars))  # every token allowed until filled
     live = [i for i, g in enumerate(grammars) if g is not None]
     if len(live) == len(grammars):
         manager.fill_bitmasks([g.matcher for g in grammars], bitmask)
-    else:
-        bitmask[:] = -1
-        if live:
-            rows = manager.allocate_bitmask(len(live))
-            manager.fill_bitmasks([grammars[i].matcher for i in live], rows)
-            bitmask[live] = rows
-    return np.ascontiguousarray(bitmask, dtype=np.int32).tobytes()
+    elif live:
+        rows = manager.allocate_bitmask(len(live))
+        manager.fill_bitmasks([grammars[i].matcher for i in live], rows)
+        bitmask[live] = rows
+    return bitmask.tobytes()

@@ -20,6 +20,7 @@ not implement where xgrammar ignores it, and its outputs were valid UTF-8 in eve
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -251,10 +252,9 @@ def byte_level_alphabet() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def create_backend(
-    name: str, tokenizer_folder: str | Path, vocab_size: int, eos_token_ids: Iterable[int]
-) -> StructuredOutputBackend:
-    """The backend called name ("auto", "xgrammar" or "guidance") for a tokenizer folder."""
+def require_library(name: str) -> str:
+    """The backend `name` ("auto", "xgrammar" or "guidance") stands for, once its library is
+    known to be installed (a ValueError naming the install otherwise); imports nothing."""
     if name == "auto":
         name = DEFAULT_BACKEND
     if name not in BACKENDS:
@@ -262,14 +262,21 @@ def create_backend(
             f"structured outputs backend {name!r} is not known; choose auto, xgrammar or guidance"
         )
     library = "xgrammar" if name == "xgrammar" else "llguidance"
-    try:
-        if name == "xgrammar":
-            from tidegate.engine.structured_output.xgrammar_backend import XGrammarBackend as cls
-        else:
-            from tidegate.engine.structured_output.guidance_backend import GuidanceBackend as cls
-    except ImportError as error:
+    if importlib.util.find_spec(library) is None:
         raise ValueError(
             f"structured outputs backend {name!r} needs the {library} package, which is not "
-            f"installed ({error}); install it with pip install '{PIP_EXTRA[library]}'"
-        ) from error
+            f"installed; install it with pip install '{PIP_EXTRA[library]}'"
+        )
+    return name
+
+
+def create_backend(
+    name: str, tokenizer_folder: str | Path, vocab_size: int, eos_token_ids: Iterable[int]
+) -> StructuredOutputBackend:
+    """The backend called name ("auto", "xgrammar" or "guidance") for a tokenizer folder."""
+    name = require_library(name)
+    if name == "xgrammar":
+        from tidegate.engine.structured_output.xgrammar_backend import XGrammarBackend as cls
+    else:
+        from tidegate.engine.structured_output.guidance_backend import GuidanceBackend as cls
     return cls(tokenizer_folder, vocab_size, eos_token_ids)
