@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test test-quick demo lint format bench bench-throughput bench-startup bench-prefill-stall \
-	bench-shared-prefix bench-disaggregated bench-attention bench-cpu-attention bench-compile \
+	bench-shared-prefix bench-kv-routing bench-disaggregated bench-attention bench-cpu-attention bench-compile \
 	bench-peers clean
 
 $(STAMP): pyproject.toml
@@ -73,6 +73,10 @@ bench-prefill-stall: $(STAMP)
 
 bench-shared-prefix: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
+
+# Three instances behind a router: routing by the blocks each holds against rendezvous hashing.
+bench-kv-routing: $(STAMP)
+	$(BIN)/python benchmarks/kv_routing.py
 
 # Producer, consumer and router, one core per engine, against a unified server on one core.
 bench-disaggregated: $(STAMP)

@@ -39,8 +39,12 @@ def serve_command(model: str | Path, *flags: str, port: int) -> list[str]:
 
 
 def router_command(prefill: list[str], decode: list[str], *flags: str, port: int) -> list[str]:
-    """`tidegate router --prefill URLS --decode URLS --host 127.0.0.1 --port PORT FLAGS...`."""
-    command = [*tidegate_command(), "router", "--prefill", *prefill, "--decode", *decode]
+    """`tidegate router --prefill URLS --decode URLS --host 127.0.0.1 --port PORT FLAGS...`.
+
+    With no prefill URLs there is no --prefill flag (it takes one URL or more): a balancer.
+    """
+    command = [*tidegate_command(), "router", *(["--prefill", *prefill] if prefill else [])]
+    command += ["--decode", *decode]
     return [*command, "--host", "127.0.0.1", "--port", str(port), *flags]
 
 

@@ -25,6 +25,7 @@ from tidegate.engine.errors import (
     RequestTimeoutError,
 )
 from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
+from tidegate.engine.kv_events import KVEventPublisher
 from tidegate.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -89,6 +90,8 @@ class AsyncLLM:
         self._background: set[asyncio.Task] = set()
         self._output_tasks: list[asyncio.Task] = []
         self.on_dead: Callable[[str], None] | None = None
+        # With --kv-events-port: every core's prefix-cache changes, for routers.
+        self.kv_events: KVEventPublisher | None = None
 
     @classmethod
     async def start(
@@ -125,6 +128,10 @@ class AsyncLLM:
             await asyncio.gather(*(client.shutdown() for client in clients))
             raise
         readies = [r for r in started if isinstance(r, EngineCoreReady)]
+        if metrics is not None:
+            # cache_config_info is complete from the start, not from each core's first step.
+            for ready in readies:
+                metrics.record_kv_blocks(ready.num_kv_blocks, ready.engine_index)
         # Remember about as many prefix blocks per core as its KV cache holds.
         router = DataParallelRouter(
             len(clients), max_hashes_per_core=min(r.num_kv_blocks for r in readies)
@@ -142,6 +149,14 @@ class AsyncLLM:
             request_timeout=request_timeout,
         )
         holder.append(engine)
+        if args.kv_events_port is not None:
+            try:
+                engine.kv_events = KVEventPublisher(args.kv_events_port)
+            except OSError:
+                await asyncio.gather(*(client.shutdown() for client in clients))
+                raise
+            if metrics is not None:
+                metrics.record_kv_events_port(engine.kv_events.port)
         dead = next((c.dead_reason for c in clients if c.dead_reason is not None), None)
         if dead is not None:
             engine._fail_all(dead)
@@ -243,6 +258,8 @@ class AsyncLLM:
         for task in self._output_tasks:
             task.cancel()
         await asyncio.gather(*(client.shutdown() for client in self.clients))
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _route(self, request: EngineCoreRequest) -> int:
         """The engine core for a request: by load, or by where its prefix blocks are."""
@@ -284,6 +301,8 @@ class AsyncLLM:
             )
             return
         now = time.monotonic()
+        if batch.kv_events and self.kv_events is not None:
+            self.kv_events.publish(batch.engine_index, batch.kv_events)
         if batch.scheduler_stats is not None:
             self.router.record_stats(batch.engine_index, batch.scheduler_stats)
             if self.metrics is not None:

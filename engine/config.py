@@ -111,6 +111,15 @@ class EngineArgs(BaseModel):
         description="Address consumers reach this producer at; default: this host name's address "
         "(a pod's IP).",
     )
+    kv_events_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Publish KV-cache events (blocks stored and removed, by the prefix cache's "
+        "block hashes) on a ZMQ PUB socket at this port, for routers that route by the blocks "
+        "each instance holds; a new subscriber first gets a replay of every held block "
+        "(serving only).",
+    )
     kv_transfer_timeout: float = Field(
         30.0,
         gt=0,
@@ -326,6 +335,12 @@ class ServerArgs(TenancyArgs):
         "requests with tools and tool_choice 'auto' (the default with tools); without it such "
         "requests are refused (tool_choice 'required' or a named function need no parser).",
     )
+    prefill_via_header: bool = Field(
+        False,
+        description="Honour the x-prefiller-host-port header an endpoint picker sets: run the "
+        "request's prefill on that prefill instance, then decode here with its KV blocks "
+        "(disaggregated serving through a Gateway).",
+    )
 
 
 class RouterArgs(TenancyArgs):
@@ -372,3 +387,39 @@ class RouterArgs(TenancyArgs):
         description="Seconds a held request waits for an instance of its pool (longer than a "
         "cold start) before a 503 with Retry-After.",
     )
+    tokenizer: str | None = Field(
+        None,
+        description="The served model's folder (tokenizer and chat template). With it the "
+        "router routes by the KV blocks each instance holds: it follows every instance's "
+        "KV-cache events (their --kv-events-port) and hashes prompts exactly as the engines "
+        "do. Without it: rendezvous hashing of the prompt's text.",
+    )
+    kv_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="The KV-events port of instances whose /metrics does not name one "
+        "(tidegate:kv_events_info); needs --tokenizer.",
+    )
+    epp_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Also serve the Gateway API Inference Extension's endpoint picker (Envoy's "
+        "ext_proc gRPC service, and gRPC health) on this port.",
+    )
+    epp_shed_load: float | None = Field(
+        None,
+        gt=0,
+        description="Endpoint picker: answer 429 when even the least loaded instance carries "
+        "this many requests (running + waiting); default: never shed.",
+    )
+
+    @model_validator(mode="after")
+    def _kv_routing_needs_the_tokenizer(self) -> RouterArgs:
+        if self.kv_events_port is not None and self.tokenizer is None:
+            raise ValueError(
+                "kv_events_port needs tokenizer: the router hashes prompts as the engines do, "
+                "so it needs the served model's folder (tokenizer and chat template)"
+            )
+        return self

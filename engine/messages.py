@@ -2,6 +2,7 @@
 
 API server -> EngineCore (ZMQ ROUTER/DEALER): `EngineCoreRequest`, aborts, shutdown.
 EngineCore -> API server (ZMQ PUSH/PULL): `EngineCoreOutputs`, one per step.
+API server -> routers (ZMQ XPUB/SUB): `KVEventsMessage` and `KVEventsSnapshot`.
 EngineCore -> workers (shared-memory broadcast): `WorkerCommand`s carrying `SchedulerOutput`.
 Worker rank 0 -> EngineCore (pipe): `WorkerReply`s carrying `ModelRunnerOutput`.
 In one process the same structs are passed as plain objects.
@@ -199,6 +200,68 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
+# -- KV-cache events (engine core -> API server -> routers) ----------------------------------
+
+
+class BlockStored(msgspec.Struct, tag="stored", array_like=True):
+    """Full blocks entered the prefix cache: a chain of hashes, each the next one's parent.
+
+    `lora_digest` names the adapter the blocks were computed under (its first block's key),
+    so that a router learns which digest to hash an adapter's requests with.
+    """
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    block_size: int
+    lora_name: str | None = None
+    lora_digest: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
+    """Blocks left the prefix cache (evicted for new content): no request can hit them now."""
+
+    block_hashes: list[bytes]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", array_like=True):
+    """The prefix cache was reset: nothing is held."""
+
+
+# What a prefix cache reports (not the KV *transfer* events, KVEvent, below).
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventsMessage(msgspec.Struct, array_like=True):
+    """What a server publishes after each engine step that changed its prefix cache.
+
+    `epoch` is random per server start and `seq` counts messages from 1 within it: a
+    subscriber that sees another epoch, or skips a number, asks for a replay.
+    `pool` is the engine core (data-parallel rank) whose block pool changed.
+    """
+
+    epoch: str
+    seq: int
+    pool: int
+    events: list[CacheEvent]
+
+
+class HeldBlocks(msgspec.Struct, array_like=True):
+    """Everything one engine core's prefix cache holds, for a replay."""
+
+    block_size: int
+    block_hashes: list[bytes]
+    # The adapters blocks were stored under, name -> digest.
+    loras: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class KVEventsSnapshot(msgspec.Struct, array_like=True):
+    """A replay: every core's held blocks as of message `seq` of `epoch` (0: none yet)."""
+
+    epoch: str
+    seq: int
+    pools: dict[int, HeldBlocks]
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     """Everything an engine core reports at once: one step's outputs and its stats."""
 
@@ -209,6 +272,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     rejected_request_ids: list[str] = msgspec.field(default_factory=list)
     # Set on the last message of a core that is going down: what killed it.
     engine_dead: str | None = None
+    # How the prefix cache changed since the last message (only with --kv-events-port).
+    kv_events: list[CacheEvent] = msgspec.field(default_factory=list)
 
 
 class EngineCoreReady(msgspec.Struct):

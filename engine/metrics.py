@@ -5,6 +5,8 @@ dashboards, KEDA scalers and the Gateway API Inference Extension built for vLLM 
 unchanged. Each metric is declared once in `METRICS` and created once per prefix; every series
 carries `model_name` and `engine` labels, as vLLM's do. With data parallelism each engine core
 has its own series: its SchedulerStats, and the requests it served, under `engine="<index>"`.
+Beside `METRICS`, info gauges in vLLM's form (`lora_requests_info`, `cache_config_info`) carry
+their state in labels.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))
 
 FINISH_REASONS = ("stop", "length", "abort")
+# Why a prefill leg this decode server ran itself (--prefill-via-header) gave no KV to pull:
+# no connection (or it dropped), no answer in time, a 5xx, an answer without usable
+# kv_transfer_params. Each time the prompt was computed here instead.
+PREFILL_FALLBACK_REASONS = ("unreachable", "timeout", "server_error", "bad_response")
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,13 @@ class PrometheusMetrics:
         self._lora_ready: Any = None
         self._max_loras = 0
         self._lora_by_engine: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        # The KV cache as vLLM's cache_config_info describes it: its settings, and each engine
+        # core's number of blocks.
+        self._cache_info: list[Any] = []
+        self._cache_config: dict[str, str] = {}
+        self._kv_blocks: dict[int, int] = {}
+        # With --prefill-via-header: the prefill legs that gave no KV, by reason.
+        self._prefill_fallbacks: Any = None
         self._model_name = model_name
         self._default_engine = engine_index
         # Metric name -> the same metric under each prefix.
@@ -220,6 +233,7 @@ class PrometheusMetrics:
             last_totals[name] = total
         if stats.num_batched_tokens > 0:
             self._observe("iteration_tokens_total", stats.num_batched_tokens, engine)
+        self.record_kv_blocks(stats.num_total_blocks, engine)
         if self._lora_info:
             self._lora_by_engine[engine] = (
                 stats.running_lora_adapters,
@@ -272,6 +286,88 @@ class PrometheusMetrics:
         for gauge in self._lora_info:
             gauge.clear()  # one series: the current sets, as vLLM exports it
             gauge.labels(**labels).set(time.time())
+
+    # -- KV cache configuration ------------------------------------------------------------
+
+    def record_cache_config(
+        self, block_size: int, enable_prefix_caching: bool, cache_dtype: str
+    ) -> None:
+        """Export `cache_config_info` (vLLM's): value 1, the KV cache described in its labels.
+
+        One series per engine core, once its number of blocks is known (`record_kv_blocks`).
+        The Inference Extension's endpoint picker reads `block_size` and `num_gpu_blocks`.
+        """
+        # Label values as vLLM writes them: str() of each setting ("16", "True").
+        self._cache_config = {
+            "block_size": str(block_size),
+            "cache_dtype": cache_dtype,
+            "enable_prefix_caching": str(enable_prefix_caching),
+        }
+        if not self._cache_info:
+            self._cache_info = [
+                Gauge(
+                    prefix + "cache_config_info",
+                    "Information of the KV cache's configuration; the value is always 1.",
+                    labelnames=("model_name", "engine", "num_gpu_blocks", *self._cache_config),
+                    registry=self.registry,
+                )
+                for prefix in self._prefixes
+            ]
+        self._record_cache_info()
+
+    def record_kv_blocks(self, num_blocks: int, engine: int | None = None) -> None:
+        """The number of KV blocks one engine core holds (its ready message, or its stats)."""
+        engine = self._default_engine if engine is None else engine
+        if self._kv_blocks.get(engine) == num_blocks:
+            return
+        self._kv_blocks[engine] = num_blocks
+        self._record_cache_info()
+
+    def _record_cache_info(self) -> None:
+        for gauge in self._cache_info:
+            gauge.clear()  # the current configuration only, as vLLM exports it
+            for engine, num_blocks in sorted(self._kv_blocks.items()):
+                gauge.labels(
+                    model_name=self._model_name,
+                    engine=str(engine),
+                    num_gpu_blocks=str(num_blocks),
+                    **self._cache_config,
+                ).set(1)
+
+    def record_kv_events_port(self, port: int) -> None:
+        """Export `tidegate:kv_events_info{port}`: where this server publishes KV events.
+
+        Routers read the port here (router/health.py), so that instances sharing a host, each
+        on a port of its own (`--kv-events-port 0`), need no configuration.
+        """
+        Gauge(
+            "tidegate:kv_events_info",
+            "The port this server publishes KV-cache events on; the value is always 1.",
+            labelnames=("model_name", "port"),
+            registry=self.registry,
+        ).labels(self._model_name, str(port)).set(1)
+
+    # -- Prefill legs run by a decode server ------------------------------------------------
+
+    def enable_prefill_via_header(self) -> None:
+        """Export `prefill_header_fallbacks_total{reason}`, every reason from 0.
+
+        Under `tidegate:` only: no vLLM server has it, so no dashboard reads a `vllm:` name.
+        """
+        self._prefill_fallbacks = Counter(
+            "tidegate:prefill_header_fallbacks",
+            "Prefill legs run on the instance x-prefiller-host-port names that gave no KV; "
+            "the prompt was computed locally instead.",
+            labelnames=("model_name", "reason"),
+            registry=self.registry,
+        )
+        for reason in PREFILL_FALLBACK_REASONS:
+            self._prefill_fallbacks.labels(self._model_name, reason)
+
+    def record_prefill_header_fallback(self, reason: str) -> None:
+        """Count one prefill leg that failed, by one of PREFILL_FALLBACK_REASONS."""
+        if self._prefill_fallbacks is not None:
+            self._prefill_fallbacks.labels(self._model_name, reason).inc()
 
     def record_tokens(
         self, prompt_tokens: int, generation_tokens: int, engine: int | None = None

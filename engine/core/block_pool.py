@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from tidegate.engine.messages import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+
 if TYPE_CHECKING:
     from tidegate.engine.core.request import Request
 
@@ -93,10 +95,50 @@ class FreeBlockQueue:
         return blocks
 
 
+class CacheEventLog:
+    """The prefix cache's changes since they were last taken (for --kv-events-port).
+
+    A block is held, for a router, from the moment its hash enters the cache map until it is
+    evicted or the cache is reset: a free block with ref_cnt 0 can still be revived.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._events: list[CacheEvent] = []
+
+    def stored(self, hashes: list[bytes], parent: bytes | None, request: Request) -> None:
+        lora = request.lora_request
+        self._events.append(
+            BlockStored(
+                hashes,
+                parent,
+                self.block_size,
+                lora.name if lora is not None else None,
+                lora.digest if lora is not None else None,
+            )
+        )
+
+    def removed(self, block_hash: bytes) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)  # one event per run of evictions
+        else:
+            self._events.append(BlockRemoved([block_hash]))
+
+    def cleared(self) -> None:
+        self._events = [AllBlocksCleared()]  # what came before no longer matters
+
+    def take(self) -> list[CacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+
 class BlockPool:
     """All KV blocks, which are free (LRU order) and which hold a known prefix."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: CacheEventLog | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks is {num_blocks}; the KV cache needs at least 1 block")
         self.num_blocks = num_blocks
@@ -106,6 +148,7 @@ class BlockPool:
         # One block per hash. Only full blocks are hashed, so every block found here is
         # complete and read-only; a block with ref_cnt 0 stays here until it is evicted.
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,6 +189,8 @@ class BlockPool:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's hashes."""
         if not self.enable_caching:
             return
+        stored: list[bytes] = []
+        first = -1
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], request.block_hashes[i]
             if block.block_hash is not None:
@@ -157,6 +202,11 @@ class BlockPool:
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                stored.append(block_hash)
+                first = i if first < 0 else first
+        if stored and self.events is not None:
+            parent = request.block_hashes[first - 1] if first > 0 else None
+            self.events.stored(stored, parent, request)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each; blocks reaching 0 join the free queue in this order."""
@@ -174,10 +224,14 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's old content from the prefix cache."""
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None

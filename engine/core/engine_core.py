@@ -21,6 +21,7 @@ from tidegate.engine.core.step_budget import StepLimits
 from tidegate.engine.executor.abstract import Executor
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler, create_scheduler_connector
 from tidegate.engine.messages import (
+    CacheEvent,
     EngineCoreOutput,
     EngineCoreRequest,
     KVEvent,
@@ -124,6 +125,8 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
+            # Routers learn which blocks this core holds from these (engine/kv_events.py).
+            record_events=args.kv_events_port is not None and args.enable_prefix_caching,
         )
         # Structured outputs: the grammar library loads on the first constrained request.
         self.grammar = GrammarCompiler(
@@ -362,6 +365,11 @@ class EngineCore:
             grammar.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """How the prefix cache changed since the last call (empty unless recording)."""
+        events = self.kv_cache_manager.block_pool.events
+        return events.take() if events is not None else []
 
     def scheduler_stats(self, num_batched_tokens: int = 0) -> SchedulerStats:
         """The stats message the API server turns into metrics."""

@@ -162,6 +162,7 @@ class EngineCoreProc:
                     self.engine_index,
                     outputs=outputs,
                     scheduler_stats=engine.scheduler_stats(num_tokens),
+                    kv_events=engine.take_cache_events(),
                 )
             )
 
@@ -202,6 +203,7 @@ class EngineCoreProc:
                     self.engine_index,
                     scheduler_stats=self.engine.scheduler_stats(),
                     rejected_request_ids=rejected,
+                    kv_events=self.engine.take_cache_events(),
                 )
             )
         return True

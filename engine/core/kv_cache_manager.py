@@ -17,19 +17,26 @@ from __future__ import annotations
 from collections import Counter
 
 from tidegate.engine.core.block_hash import extend_block_hashes
-from tidegate.engine.core.block_pool import BlockPool, KVCacheBlock
+from tidegate.engine.core.block_pool import BlockPool, CacheEventLog, KVCacheBlock
 from tidegate.engine.core.request import Request
 
 
 class KVCacheManager:
     """Allocates KV blocks to requests and finds their longest cached prefix."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        record_events: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size is {block_size}; it must be at least 1")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        events = CacheEventLog(block_size) if record_events else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}

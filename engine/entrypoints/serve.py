@@ -36,6 +36,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     from tidegate.engine.entrypoints.openai.auth import load_api_key
 
     try:
+        _check_roles(engine_args, server_args)
         api_key = load_api_key(server_args)
     except ValueError as error:
         logger.error("tidegate serve could not start: %s", error)
@@ -78,6 +79,16 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
     from tidegate.engine.entrypoints.openai.api_server import build_app
 
+    metrics.record_cache_config(
+        engine_args.block_size,
+        engine_args.enable_prefix_caching,
+        # The KV cache holds the model's dtype, resolved as the workers do (engine/model/loader.py).
+        engine_args.dtype
+        if engine_args.dtype != "auto"
+        else engine.model_config.torch_dtype or "float32",
+    )
+    if server_args.prefill_via_header:
+        metrics.enable_prefill_via_header()
     try:
         loras = _lora_serving(engine_args, server_args, engine, names, metrics, api_key)
     except ValueError as error:
@@ -98,6 +109,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         loras=loras,
         allow_runtime_lora_updates=server_args.allow_runtime_lora_updates,
         tool_call_parser=server_args.tool_call_parser,
+        prefill_via_header=server_args.prefill_via_header,
+        on_prefill_fallback=metrics.record_prefill_header_fallback,
     )
     config = uvicorn.Config(
         app,
@@ -105,7 +118,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         port=server_args.port,
         log_level=server_args.log_level,
         timeout_graceful_shutdown=server_args.shutdown_timeout,
-        lifespan="off",
+        # The app's lifespan holds what lives as long as it serves (the prefill leg's client).
+        lifespan="on",
         access_log=False,
     )
     server = StoppableServer(config, drain)
@@ -139,6 +153,16 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     if server.started is False and exit_code == 0:
         return 1  # could not bind the port; uvicorn said why
     return exit_code
+
+
+def _check_roles(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    """Refuse, before the model loads, flags that this server's KV role cannot serve."""
+    if server_args.prefill_via_header and engine_args.kv_role != "consumer":
+        raise ValueError(
+            "--prefill-via-header needs --kv-role consumer: only a decode instance has a "
+            "prefill instance compute its prompts and pulls their KV; this server has "
+            f"--kv-role {engine_args.kv_role}"
+        )
 
 
 def _lora_serving(

@@ -24,11 +24,12 @@ from tidegate.engine.entrypoints.openai.errors import (
     error_response,
     to_openai_error,
 )
+from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
 from tidegate.engine.router import errors
+from tidegate.engine.router.epp import serve_endpoint_picker
 from tidegate.engine.router.health import HealthMonitor
 from tidegate.engine.router.proxy import Proxy
 from tidegate.engine.router.relay import wait_for_disconnect
-from tidegate.engine.router.rewrite import CHAT_PATH, COMPLETIONS_PATH
 
 logger = logging.getLogger("tidegate.router")
 
@@ -56,20 +57,34 @@ def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
             proxy = Proxy(args, client)
             seeds = {"prefill": args.prefill, "decode": args.decode}
             monitor = HealthMonitor(
-                proxy.pools, seeds, client, args.health_interval, args.connect_timeout
+                proxy.pools,
+                seeds,
+                client,
+                args.health_interval,
+                args.connect_timeout,
+                keep_single_name=args.epp_port is None,
             )
             proxy.holding.on_hold = monitor.wake
             # One round before serving, so that /health and the first requests are right.
             await monitor.run_round()
             app.state.proxy = proxy
             app.state.cache_salt_header = args.cache_salt_header
+            # The Gateway API Inference Extension's endpoint picker (router/epp.py).
+            epp = None if args.epp_port is None else await serve_endpoint_picker(args, proxy)
+            app.state.epp_port = None if epp is None else epp.port
+            if epp is not None:
+                monitor.on_round = epp.refresh_health
             checking = asyncio.create_task(monitor.run(), name="router-health")
             try:
                 yield
             finally:
+                if epp is not None:
+                    await epp.stop()
                 checking.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await checking
+                if proxy.index is not None:
+                    await proxy.index.close()
 
     routes = [
         Route(COMPLETIONS_PATH, _completion, methods=["POST"]),

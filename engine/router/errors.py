@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from tidegate.engine.entrypoints.openai.errors import OpenAIError
 from tidegate.engine.router.instances import InstancePool
@@ -36,6 +37,31 @@ def pending_timeout(pool: InstancePool, timeout_s: float, retry_after_s: float) 
     )
 
 
+def no_instance_in_subset(
+    pool: InstancePool, subset: Sequence[str], retry_after_s: float
+) -> OpenAIError:
+    """503: the gateway's subset hint names no healthy instance of the pool (or nothing)."""
+    if not subset:
+        return _unavailable("the gateway's endpoint subset is empty", retry_after_s)
+    return _unavailable(
+        f"no healthy {pool.role} instance in the gateway's endpoint subset ({', '.join(subset)})",
+        retry_after_s,
+    )
+
+
+def shed(least_load: float, limit: float, retry_after_s: float) -> OpenAIError:
+    """429: even the least loaded instance carries the endpoint picker's shedding load."""
+    after = retry_after(retry_after_s)
+    return OpenAIError(
+        429,
+        f"every instance is busy: the least loaded carries {least_load:g} requests, at or above "
+        f"{limit:g} (--epp-shed-load); retry after {after} s",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": after},
+    )
+
+
 def _unavailable(message: str, retry_after_s: float) -> OpenAIError:
     """A 503 that says when to retry, in the message and in Retry-After."""
     after = retry_after(retry_after_s)
@@ -62,6 +88,11 @@ def bad_gateway(message: str) -> OpenAIError:
 def not_json(detail: str) -> OpenAIError:
     """400: the client's body is not a JSON object."""
     return OpenAIError(400, f"the request body must be a JSON object: {detail}")
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    """413: a body larger than the endpoint picker buffers."""
+    return OpenAIError(413, f"the request body is larger than {limit:,} bytes")
 
 
 def sse_error_event(message: str) -> bytes:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 
@@ -19,8 +19,10 @@ logger = logging.getLogger("tidegate.router")
 
 # Engine gauges whose sum is the work an instance has queued (every series: one per core).
 LOAD_METRICS = ("tidegate:num_requests_running", "tidegate:num_requests_waiting")
+# The port an instance publishes KV-cache events on, as the label of an info gauge.
+KV_EVENTS_METRIC = "tidegate:kv_events_info"
 # All the router reads of a /metrics page; the rest of it is not parsed.
-READ_METRICS = frozenset((*LOAD_METRICS, *ADAPTER_METRICS))
+READ_METRICS = frozenset((*LOAD_METRICS, *ADAPTER_METRICS, KV_EVENTS_METRIC))
 # While requests are held for a pool with no healthy instance, rounds come this often (or
 # more often, with a shorter --health-interval): a held request is routed within this
 # much of its instance turning ready.
@@ -36,6 +38,16 @@ def reported_load(exposition: str | Exposition) -> float:
         for sample in page.samples
         if sample.name in LOAD_METRICS and math.isfinite(sample.value)
     )
+
+
+def kv_events_port(page: Exposition) -> int | None:
+    """The KV-events port an instance's /metrics names, if any."""
+    for sample in page.samples:
+        if sample.name == KV_EVENTS_METRIC:
+            port = sample.labels.get("port", "")
+            if port.isdigit() and 0 < int(port) < 65536:
+                return int(port)
+    return None
 
 
 class HealthMonitor:
@@ -55,9 +67,12 @@ class HealthMonitor:
         client: httpx.AsyncClient,
         interval: float,
         connect_timeout: float,
+        keep_single_name: bool = True,
     ) -> None:
         self.pools = pools
         self.seeds = seeds
+        # False for an endpoint picker, whose endpoints must be addresses (discovery.py).
+        self.keep_single_name = keep_single_name
         self.client = client
         self.interval = interval
         # A check slower than a round would delay the next round for every instance; a
@@ -66,6 +81,8 @@ class HealthMonitor:
         self.timeout = httpx.Timeout(read_s, connect=connect_timeout)
         self._expanded: dict[str, dict[str, list[str]]] = {role: {} for role in pools}
         self._woken = asyncio.Event()
+        # Awaited after every round: the endpoint picker's gRPC health follows the pools.
+        self.on_round: Callable[[], Awaitable[None]] | None = None
 
     def wake(self) -> None:
         """Start the next round now (a request has started waiting for an instance)."""
@@ -74,10 +91,18 @@ class HealthMonitor:
     async def run_round(self) -> None:
         """One round: update every pool's membership, then check all instances at once."""
         for role, pool in self.pools.items():
-            self._expanded[role] = await discover(self.seeds[role], self._expanded[role])
+            self._expanded[role] = await discover(
+                self.seeds[role], self._expanded[role], self.keep_single_name
+            )
             pool.set_urls(url for urls in self._expanded[role].values() for url in urls)
         checks = [self._check(pool, instance) for pool in self.pools.values() for instance in pool]
         await asyncio.gather(*checks)
+        indexes = {id(pool.index): pool.index for pool in self.pools.values() if pool.index}
+        for index in indexes.values():
+            # Every instance discovered, on the events port its last /metrics named.
+            index.track({i.url: i.kv_events_port for pool in self.pools.values() for i in pool})
+        if self.on_round is not None:
+            await self.on_round()
 
     async def run(self) -> None:
         """Check forever, one round every `interval` seconds (until cancelled)."""
@@ -119,6 +144,7 @@ class HealthMonitor:
             return
         page = parse_exposition(response.text, READ_METRICS)
         instance.external_load = max(0.0, reported_load(page) - in_flight)
+        instance.kv_events_port = kv_events_port(page)
         adapters = read_adapters(page)
         if adapters.served != instance.adapters.served:
             served = "unknown" if adapters.served is None else sorted(adapters.served)

@@ -8,6 +8,8 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from tidegate.engine.router.adapters import UNKNOWN, Adapters
+from tidegate.engine.router.block_index import BlockIndex
+from tidegate.engine.router.routing import Route
 from tidegate.engine.router.selection import Selector
 
 logger = logging.getLogger("tidegate.router")
@@ -27,6 +29,8 @@ class Instance:
     external_load: float = 0.0
     # The LoRA adapters it serves and those hot on it, as of its last /metrics read.
     adapters: Adapters = UNKNOWN
+    # The port it publishes KV-cache events on, as its /metrics says (None: it does not).
+    kv_events_port: int | None = None
     last_error: str | None = None
 
     @property
@@ -42,14 +46,22 @@ class Instance:
 class InstancePool:
     """All instances of one role; membership follows discovery, health follows checks."""
 
-    def __init__(self, role: str, selector: Selector | None = None) -> None:
+    def __init__(
+        self, role: str, selector: Selector | None = None, index: BlockIndex | None = None
+    ) -> None:
         self.role = role
         self.selector = selector or Selector()
+        # The blocks each instance holds, when the router follows their KV events.
+        self.index = index
         self._instances: dict[str, Instance] = {}
         # Set while an instance is healthy: held requests wait on it (router/pending.py).
         self.ready = asyncio.Event()
         # Requests held right now because no instance was healthy when they came.
         self.pending = 0
+        # Routed by held blocks (first choices only): their prompt tokens, and those the chosen
+        # instance held. The ratio is the prefix-cache hit routing expects.
+        self.routed_prompt_tokens = 0
+        self.routed_cached_tokens = 0
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(list(self._instances.values()))
@@ -76,26 +88,44 @@ class InstancePool:
         """The instances that passed their last check and have not failed since."""
         return [i for i in self._instances.values() if i.healthy]
 
-    def pick(
-        self, key: str, exclude: Collection[str] = (), model: str | None = None
-    ) -> Instance | None:
-        """The healthy instance to send a request with this affinity key to, if any.
+    def pick(self, route: Route, exclude: Collection[str] = ()) -> Instance | None:
+        """The healthy instance to send a request on this route to, if any."""
+        ranked = self.rank(route, exclude, limit=1)
+        return ranked[0] if ranked else None
 
-        When `model` names an adapter that some candidate serves, only those that serve it
-        are candidates, and among those within the load bound the ones where it is hot come
-        first. An adapter no candidate is known to serve (or the base model) may go to any:
-        the engine that gets it loads it or answers 404 itself.
+    def rank(
+        self,
+        route: Route,
+        exclude: Collection[str] = (),
+        only: Collection[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Instance]:
+        """Healthy instances for a request on this route, best first (Selector.order).
+
+        `only` limits the candidates to these URLs (a gateway's subset hint). When the
+        route's `model` names an adapter that some candidate serves, only those that serve
+        it are candidates, and among those within the load bound the ones where it is hot
+        come first. An adapter no candidate is known to serve (or the base model) may go to
+        any: the engine that gets it loads it or answers 404 itself.
         """
-        candidates = [i for i in self.healthy() if i.url not in exclude]
+        candidates = [
+            i for i in self.healthy() if i.url not in exclude and (only is None or i.url in only)
+        ]
         hot: set[str] = set()
-        if model is not None:
-            serving = [i for i in candidates if i.adapters.serves(model)]
+        if route.model is not None:
+            serving = [i for i in candidates if i.adapters.serves(route.model)]
             if serving:
                 candidates = serving
-                hot = {i.url for i in serving if i.adapters.is_hot(model)}
+                hot = {i.url for i in serving if i.adapters.is_hot(route.model)}
         loads = {i.url: i.load for i in candidates}
-        url = self.selector.choose(key, loads, preferred=hot)
-        return None if url is None else self._instances[url]
+        cached = None
+        if self.index is not None and route.token_ids is not None:
+            cached = {i.url: self.index.cached_tokens(i.url, route) for i in candidates}
+        order = self.selector.order(route.key, loads, preferred=hot, cached=cached)
+        if cached is not None and order and not exclude:
+            self.routed_prompt_tokens += route.num_tokens
+            self.routed_cached_tokens += cached[order[0]]
+        return [self._instances[url] for url in order[:limit]]
 
     def mark_healthy(self, instance: Instance) -> None:
         """Take an instance (back) into rotation."""

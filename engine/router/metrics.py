@@ -11,7 +11,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tidegate.engine.router.instances import InstancePool
@@ -23,8 +23,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class RouterMetrics:
-    """Requests per leg and status, leg latency, prefill skips, each backend's state, and
-    the requests held per pool.
+    """Requests per leg and status, leg latency, prefill skips, endpoint picker answers, each
+    backend's state, and the requests held per pool.
 
     `tidegate:router_pending_requests{pool}` is a gauge: the client requests this router
     holds right now because the pool had no healthy instance when they came
@@ -57,6 +57,15 @@ class RouterMetrics:
         self.prefill_skipped = Counter(
             PREFIX + "prefill_skipped",
             "Requests sent straight to a decode instance (n > 1 or a batch of prompts).",
+            registry=self.registry,
+        )
+        self.epp_picks = Counter(
+            PREFIX + "epp_picks",
+            "Endpoint picker (--epp-port) answers to a gateway by outcome: picked (endpoints "
+            "returned), no_endpoint (503: no healthy instance, or none in the gateway's subset), "
+            "shed (429, --epp-shed-load), error (400 for a body that is not JSON, a protocol "
+            "violation, or a failure of the picker itself).",
+            labelnames=("outcome",),
             registry=self.registry,
         )
         self.registry.register(_BackendCollector(pools, held or {}))
@@ -99,3 +108,41 @@ class _BackendCollector(Collector):
         yield up
         yield in_flight
         yield pending
+        yield from self._kv_index()
+
+    def _kv_index(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """With --tokenizer: what the block index holds, and what routing by it achieved."""
+        if not any(pool.index is not None for pool in self._pools):
+            return
+        blocks = GaugeMetricFamily(
+            PREFIX + "kv_index_blocks",
+            "KV blocks an instance holds, as its KV-cache events tell this router.",
+            labels=("role", "url"),
+        )
+        synced = GaugeMetricFamily(
+            PREFIX + "kv_index_synced",
+            "1 once this router follows an instance's KV-cache events (its replay came).",
+            labels=("role", "url"),
+        )
+        prompt = CounterMetricFamily(
+            PREFIX + "routed_prompt_tokens",
+            "Prompt tokens of the requests routed by held blocks (first choices).",
+            labels=("role",),
+        )
+        cached = CounterMetricFamily(
+            PREFIX + "routed_cached_tokens",
+            "Of those, the tokens whose KV the chosen instance held: the prefix-cache hits "
+            "routing expects.",
+            labels=("role",),
+        )
+        for pool in self._pools:
+            if pool.index is None:
+                continue
+            for instance in pool:
+                held = pool.index.held.get(instance.url)
+                if held is not None:
+                    blocks.add_metric((pool.role, instance.url), held.num_blocks)
+                    synced.add_metric((pool.role, instance.url), 1.0 if held.synced else 0.0)
+            prompt.add_metric((pool.role,), pool.routed_prompt_tokens)
+            cached.add_metric((pool.role,), pool.routed_cached_tokens)
+        yield from (blocks, synced, prompt, cached)

@@ -12,19 +12,20 @@ import httpx
 from starlette.responses import Response
 
 from tidegate.engine.config import RouterArgs
-from tidegate.engine.http_server import DRAINING_HEADER
-from tidegate.engine.router import errors
-from tidegate.engine.router.instances import Instance, InstancePool
-from tidegate.engine.router.metrics import RouterMetrics
-from tidegate.engine.router.pending import Holding
-from tidegate.engine.router.relay import Outcome, RelayResponse, relayed_headers
-from tidegate.engine.router.rewrite import (
+from tidegate.engine.entrypoints.openai.pd_bodies import (
     client_body,
     decode_body,
     needs_prefill,
     prefill_body,
 )
-from tidegate.engine.router.selection import affinity_key, request_model
+from tidegate.engine.http_server import DRAINING_HEADER
+from tidegate.engine.router import errors
+from tidegate.engine.router.block_index import BlockIndex
+from tidegate.engine.router.instances import Instance, InstancePool
+from tidegate.engine.router.metrics import RouterMetrics
+from tidegate.engine.router.pending import Holding
+from tidegate.engine.router.relay import Outcome, RelayResponse, relayed_headers
+from tidegate.engine.router.routing import PromptTokenizer, Route, request_route
 
 logger = logging.getLogger("tidegate.router")
 
@@ -33,7 +34,13 @@ class Proxy:
     """Sends each leg to a chosen instance, failing over to another when one is down."""
 
     def __init__(self, args: RouterArgs, client: httpx.AsyncClient) -> None:
-        self.pools = {"prefill": InstancePool("prefill"), "decode": InstancePool("decode")}
+        # Routing by held blocks: the engines' KV events, and prompts tokenized as they do.
+        self.tokenizer = PromptTokenizer(args.tokenizer) if args.tokenizer else None
+        self.index = BlockIndex(args.kv_events_port) if self.tokenizer is not None else None
+        self.pools = {
+            "prefill": InstancePool("prefill", index=self.index),
+            "decode": InstancePool("decode", index=self.index),
+        }
         # Without prefill instances the router balances whole requests over the decode pool.
         self.disaggregated = bool(args.prefill)
         self.client = client
@@ -51,18 +58,26 @@ class Proxy:
             return {"prefill": self.pools["prefill"], "decode": self.pools["decode"]}
         return {"unified": self.pools["decode"]}
 
+    def route(self, path: str, body: Mapping[str, Any], request_id: str) -> Route:
+        """What picking an instance for this body needs (router/routing.py)."""
+        return request_route(path, body, request_id, self.tokenizer)
+
+    def needs_prefill(self, path: str, body: Mapping[str, Any]) -> bool:
+        """Whether this request takes a prefill leg first (disaggregated, and its shape fits)."""
+        return self.disaggregated and needs_prefill(path, body)
+
     async def completion(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> Response:
         """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
-        key = affinity_key(body) or headers["x-request-id"]
-        # Both legs prefer instances that serve the adapter the model field may name.
-        model = request_model(body)
+        # Both legs prefer instances that hold the prompt's blocks, and those that serve the
+        # adapter the model field may name.
+        route = self.route(path, body, headers["x-request-id"])
         deadline = self.holding.deadline()
-        if not self.disaggregated or not needs_prefill(path, body):
+        if not self.needs_prefill(path, body):
             if self.disaggregated:
                 self.metrics.prefill_skipped.inc()
-            return await self._decode(path, client_body(body), headers, key, model, deadline)
+            return await self._decode(path, client_body(body), headers, route, deadline)
         # A decode instance first: the prefill's KV blocks would wait for a decode that never
         # comes (they expire). No healthy one: wait for one, or fail before the prefill leg.
         await self.holding.until_ready(self.pools["decode"], deadline)
@@ -73,10 +88,9 @@ class Proxy:
             path,
             prefill_body(path, body),
             headers,
-            key,
+            route,
             self.prefill_timeout,
             deadline,
-            model=model,
         )
         self.metrics.latency.labels("prefill").observe(time.monotonic() - started)
         if response.status_code >= 300:
@@ -91,18 +105,17 @@ class Proxy:
             ) from None
         if params is None:
             logger.warning("prefill instance %s returned no kv_transfer_params", instance.url)
-        return await self._decode(path, decode_body(body, params), headers, key, model, deadline)
+        return await self._decode(path, decode_body(body, params), headers, route, deadline)
 
     async def models(self, headers: Mapping[str, str]) -> Response:
         """GET /v1/models from a decode instance: the names clients may use."""
-        key = headers["x-request-id"]
         _, response = await self._send(
             "decode",
             "GET",
             "/v1/models",
             None,
             headers,
-            key,
+            Route(headers["x-request-id"]),
             self.models_timeout,
             self.holding.deadline(),
             leg="models",
@@ -114,8 +127,7 @@ class Proxy:
         path: str,
         body: dict[str, Any],
         headers: Mapping[str, str],
-        key: str,
-        model: str | None,
+        route: Route,
         deadline: float,
     ) -> Response:
         started = time.monotonic()
@@ -125,11 +137,10 @@ class Proxy:
             path,
             body,
             headers,
-            key,
+            route,
             self.decode_timeout,
             deadline,
             stream=True,
-            model=model,
         )
         pool = self.pools["decode"]
 
@@ -148,17 +159,16 @@ class Proxy:
         path: str,
         body: dict[str, Any] | None,
         headers: Mapping[str, str],
-        key: str,
+        route: Route,
         timeout: httpx.Timeout,
         deadline: float,
         stream: bool = False,
         leg: str | None = None,
-        model: str | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """The first response below 500 from a healthy instance, trying each at most once.
 
-        Instances that serve `model`, when it names a LoRA adapter, are tried first
-        (InstancePool.pick).
+        Instances are tried in the route's order (InstancePool.rank): the blocks they hold,
+        the adapter the route's model may name, rendezvous order.
 
         With no healthy instance in the pool when the leg starts, the leg waits for one until
         `deadline` (router/pending.py). A streamed response keeps its instance's in-flight
@@ -169,7 +179,7 @@ class Proxy:
         content = None if body is None else json.dumps(body).encode()
         await self.holding.until_ready(pool, deadline)
         tried: set[str] = set()
-        while (instance := pool.pick(key, exclude=tried, model=model)) is not None:
+        while (instance := pool.pick(route, exclude=tried)) is not None:
             tried.add(instance.url)
             request = self.client.build_request(
                 method, instance.endpoint(path), content=content, headers=headers, timeout=timeout

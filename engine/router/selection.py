@@ -1,10 +1,18 @@
-"""Which instance serves a request: prefix affinity by rendezvous hashing, bounded by load.
+"""Which instance serves a request: the blocks it holds, else rendezvous hashing; within load.
 
 Requests that share a long prompt prefix should land on the instance that already holds its
 KV blocks in its prefix cache. Rendezvous (highest-random-weight) hashing gives every
 request key a stable preference order over the instances, and adding or removing one
 instance moves only the keys that ranked it first. Affinity yields to load: a hot prefix
 must not pile every request onto one instance while others idle.
+
+When the router follows the instances' KV-cache events (router/block_index.py) it knows how
+many of a prompt's tokens each instance holds: among the instances within the load bound,
+each cached token counts for one, less LOAD_COST_TOKENS for each request of extra load over
+the least loaded instance (a queued request delays this one by about that much work), and
+never below zero. The best score wins; ties, as when nothing is cached, fall back to
+rendezvous order, so that a new prefix still lands where its next requests will.
+Every input is the same on two routers fed the same events and loads, and so is the choice.
 
 The key holds the request's `model` as well as its prompt: KV blocks computed under one
 LoRA adapter are of no use to another (the engine keys its prefix cache by adapter), so the
@@ -21,6 +29,9 @@ from typing import Any
 
 # Enough of a prompt to tell shared system prompts and few-shot preambles apart, cheap to hash.
 AFFINITY_PREFIX_CHARS = 512
+# What one request of extra load is worth in cached prompt tokens: a prefix this long must be
+# held to send a request to an instance one request busier than the least loaded one.
+LOAD_COST_TOKENS = 256
 
 
 def affinity_key(body: Mapping[str, Any]) -> str | None:
@@ -68,18 +79,46 @@ class Selector:
     slack_ratio: float = 0.25
 
     def choose(
-        self, key: str, loads: Mapping[str, float], preferred: Collection[str] = ()
+        self,
+        key: str,
+        loads: Mapping[str, float],
+        preferred: Collection[str] = (),
+        cached: Mapping[str, int] | None = None,
     ) -> str | None:
-        """The URL to send a request with this key to, given each candidate's load.
+        """The URL to send a request with this key to, given each candidate's load."""
+        order = self.order(key, loads, preferred, cached)
+        return order[0] if order else None
 
-        Candidates in `preferred` (those where the request's adapter is hot) win over the
-        others within the load bound; past it they yield like any other, so that an adapter
-        hot on one instance does not keep every request of it there.
+    def order(
+        self,
+        key: str,
+        loads: Mapping[str, float],
+        preferred: Collection[str] = (),
+        cached: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """Every candidate, best first: those within the load bound, then the rest.
+
+        Within the bound, `cached` (prompt tokens each candidate holds) less the extra load
+        decides; then candidates in `preferred` (those where the request's adapter is hot);
+        then rendezvous order. Past the bound, candidates yield like any other: an adapter
+        hot on one instance, or a prefix held by one, does not keep every request there.
+        The rest follow by load, as fallbacks.
         """
         if not loads:
-            return None
+            return []
         least = min(loads.values())
         bound = least + self.slack + self.slack_ratio * least
-        within = [url for url in rendezvous_order(key, list(loads)) if loads[url] <= bound]
+        ranked = rendezvous_order(key, list(loads))
+        rank = {url: i for i, url in enumerate(ranked)}
+        cached = cached or {}
+
+        def score(url: str) -> tuple[float, bool, int]:
+            # Never below zero: an instance holding nothing of the prompt keeps its place in
+            # the rendezvous order, whatever its load within the bound.
+            value = max(0.0, cached.get(url, 0) - LOAD_COST_TOKENS * (loads[url] - least))
+            return (-value, url not in preferred, rank[url])
+
+        within = sorted((url for url in ranked if loads[url] <= bound), key=score)
         assert within, "the least loaded instance is always within the bound"
-        return next((url for url in within if url in preferred), within[0])
+        beyond = sorted((url for url in ranked if loads[url] > bound), key=lambda u: loads[u])
+        return within + beyond

@@ -27,6 +27,14 @@ def metric(base_url: str, name: str, **labels: str) -> float:
     return sum(found)
 
 
+def finished(base_url: str) -> float:
+    """Requests the server has finished, for any reason (0 before the first)."""
+    try:
+        return metric(base_url, "tidegate:request_success_total")
+    except AssertionError:
+        return 0.0
+
+
 def wait_for(condition, deadline_s: float, what: str) -> None:
     """Poll `condition` until it holds or the deadline passes."""
     deadline = time.monotonic() + deadline_s

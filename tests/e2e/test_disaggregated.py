@@ -2,7 +2,9 @@
 
 Greedy output through the router equals a unified server's; whatever clients or processes
 do, both sides' KV pools end up entirely free; a dead prefill instance is skipped, and with
-none left a router that holds no requests (--max-pending 0) answers 503 at once.
+none left a router that holds no requests (--max-pending 0) answers 503 at once. Through a
+Gateway, the consumer runs the prefill leg itself on the producer the endpoint picker names
+(x-prefiller-host-port) and exports what the picker scrapes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import openai
 import pytest
 
 from tests.e2e.server import ServerProcess
-from tidegate.common.local_server import LocalServer
+from tidegate.common.local_server import LocalServer, free_port
 
 MODEL = "tiny"
 ADAPTER = "tiny-lora"
@@ -33,6 +35,11 @@ KV_FLAGS = ("--kv-host", "127.0.0.1", "--kv-port", "0", "--kv-transfer-timeout",
 # The shared stack's producer and consumer plan each step while the last one runs: its tests
 # compare them, through the router, with a unified server that schedules synchronously.
 ASYNC = ("--async-scheduling",)
+# The shared consumer also serves as a Gateway's decode pod: it takes the prefill instance
+# from the request's header, and exports vLLM's metric names for the endpoint picker. Neither
+# changes what the router's requests get (the router never sends the header).
+GATEWAY = ("--prefill-via-header", "--metrics-compat", "vllm")
+PREFILLER_HEADER = "x-prefiller-host-port"
 
 
 def producer(model_dir: Path, logs: Path, *flags: str) -> ServerProcess:
@@ -101,7 +108,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     lora = ("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}")
     unified = ServerProcess(tiny_llama_dir, logs, *ENGINE_FLAGS, *lora)
     prod = producer(tiny_llama_dir, logs, *ASYNC, *lora)
-    cons = consumer(tiny_llama_dir, logs, *ASYNC, *lora)
+    cons = consumer(tiny_llama_dir, logs, *ASYNC, *lora, *GATEWAY)
     servers: list[LocalServer] = [unified, prod, cons]
     try:
         start_all(*servers)
@@ -235,6 +242,125 @@ def test_kv_computed_under_an_adapter_is_never_decoded_under_another(stack: dict
     assert second.status_code == 200, second.text
     assert second.json()["choices"][0]["text"] == complete(stack["unified"], prompt, False)
     assert metric(stack["consumer"], "kv_transfer_fallbacks_total") == fallbacks + 1
+
+
+def host_port(server: LocalServer) -> str:
+    """What an endpoint picker puts in x-prefiller-host-port for a server."""
+    return server.base_url.removeprefix("http://")
+
+
+def fallbacks(server: LocalServer) -> tuple[float, float]:
+    """A consumer's KV pulls and prefill legs that failed so far."""
+    return (
+        metric(server, "kv_transfer_fallbacks_total"),
+        metric(server, "prefill_header_fallbacks_total"),
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_consumer_runs_the_prefill_leg_on_the_instance_the_header_names(
+    stack: dict, stream: bool
+) -> None:
+    prod, cons = stack["producer"], stack["consumer"]
+    prompt = token_prompt(321 + stream)  # a prompt neither side has cached
+    expected = complete(stack["unified"], prompt, stream=False)
+    computed = {s.base_url: metric(s, "prompt_tokens_computed_total") for s in (prod, cons)}
+    received = metric(cons, "kv_received_bytes_total")
+    failed = fallbacks(cons)
+    headers = {PREFILLER_HEADER: host_port(prod), "x-request-id": f"gateway-{int(stream)}"}
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, timeout=60)
+    completions = client(cons).with_options(default_headers=headers).completions
+    if stream:
+        chunks = completions.create(**kwargs, stream=True)
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    else:
+        answer = completions.create(**kwargs)
+        assert answer.id == f"cmpl-gateway-{int(stream)}"
+        text = answer.choices[0].text
+    assert text == expected
+    # The producer computed the prompt; the consumer pulled it and computed its last token.
+    assert metric(prod, "prompt_tokens_computed_total") - computed[prod.base_url] == len(prompt)
+    assert metric(cons, "prompt_tokens_computed_total") - computed[cons.base_url] == 1
+    assert metric(cons, "kv_received_bytes_total") > received
+    assert fallbacks(cons) == failed
+
+
+def test_a_chat_sent_to_the_consumer_with_the_header_equals_unified(stack: dict) -> None:
+    messages = [
+        {"role": "system", "content": "You answer through a gateway. " * 20},
+        {"role": "user", "content": "Where does the prompt get computed?"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, timeout=60)
+    expected = client(stack["unified"]).chat.completions.create(**kwargs).choices[0].message
+    received = metric(stack["consumer"], "kv_received_bytes_total")
+    headers = {PREFILLER_HEADER: host_port(stack["producer"])}
+    chat = client(stack["consumer"]).with_options(default_headers=headers).chat.completions
+    assert chat.create(**kwargs).choices[0].message.content == expected.content
+    assert metric(stack["consumer"], "kv_received_bytes_total") > received
+
+
+def test_a_prefill_instance_the_consumer_cannot_reach_leaves_it_the_prompt(
+    stack: dict,
+) -> None:
+    cons = stack["consumer"]
+    prompt = token_prompt(333)
+    expected = complete(stack["unified"], prompt, stream=False)
+    computed = metric(cons, "prompt_tokens_computed_total")
+    failed = metric(cons, "prefill_header_fallbacks_total")
+    headers = {PREFILLER_HEADER: f"127.0.0.1:{free_port()}"}  # nothing listens there
+    answer = (
+        client(cons)
+        .with_options(default_headers=headers)
+        .completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    )
+    assert answer.choices[0].text == expected
+    assert metric(cons, "prompt_tokens_computed_total") - computed == len(prompt)
+    assert metric(cons, "prefill_header_fallbacks_total") == failed + 1
+    text = httpx.get(cons.base_url + "/metrics", timeout=5).text
+    assert re.search(
+        r'prefill_header_fallbacks_total\{[^}]*reason="unreachable"[^}]*\} [1-9]', text
+    )
+
+
+def test_the_consumer_exports_what_the_endpoint_picker_scrapes(
+    stack: dict, tiny_llama_dir: Path
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY
+    from tidegate.engine.model.config import ModelConfig
+
+    cons = stack["consumer"]
+    complete(cons, token_prompt(30), stream=False)  # an engine step, whatever ran before
+    text = httpx.get(cons.base_url + "/metrics", timeout=5).text
+    samples = {
+        sample.name: sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    for name in (
+        "num_requests_waiting",
+        "num_requests_running",
+        "kv_cache_usage_perc",
+        "lora_requests_info",
+        "cache_config_info",
+    ):
+        assert "vllm:" + name in samples, name
+    info = samples["vllm:cache_config_info"]
+    assert info.value == 1
+    assert info.labels == samples["tidegate:cache_config_info"].labels
+    config = ModelConfig.from_pretrained(tiny_llama_dir)
+    # float32 K and V of every layer, 16 tokens a block, in the CPU's default KV memory.
+    block_bytes = 2 * 16 * config.num_key_value_heads * config.head_dim * 4
+    blocks = DEFAULT_KV_CACHE_MEMORY // (block_bytes * config.num_hidden_layers)
+    assert info.labels == {
+        "model_name": MODEL,
+        "engine": "0",
+        "block_size": "16",
+        "num_gpu_blocks": str(blocks),
+        "cache_dtype": "float32",
+        "enable_prefix_caching": "True",
+    }
 
 
 def test_aborted_streams_and_a_killed_consumer_leave_no_block_held(

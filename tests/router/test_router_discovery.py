@@ -46,6 +46,13 @@ def test_a_name_with_one_address_and_an_ip_stay_as_written(dns):
     assert asyncio.run(expand_url("http://10.0.0.9:8000")) == ["http://10.0.0.9:8000"]
 
 
+def test_an_endpoint_picker_gets_the_address_of_a_one_pod_service(dns):
+    # The gateway is handed ip:port endpoints; a name would not do for Envoy.
+    dns["single.svc"] = ["10.0.0.7"]
+    expanded = asyncio.run(expand_url("http://single.svc:8000", keep_single_name=False))
+    assert expanded == ["http://10.0.0.7:8000"]
+
+
 def test_a_name_that_stops_resolving_keeps_its_last_instances(dns):
     dns["pods.svc"] = ["10.0.0.1", "10.0.0.2"]
     seeds = ["http://pods.svc:80", "http://gone.svc:80"]

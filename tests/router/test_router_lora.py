@@ -7,6 +7,7 @@ from tidegate.engine.router.adapters import UNKNOWN, Adapters, read_adapters
 from tidegate.engine.router.exposition import parse_exposition
 from tidegate.engine.router.health import reported_load
 from tidegate.engine.router.instances import InstancePool
+from tidegate.engine.router.routing import Route
 from tidegate.engine.router.selection import affinity_key, rendezvous_order
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
@@ -153,9 +154,9 @@ def test_an_adapter_goes_to_an_instance_that_serves_it_and_hot_ones_first():
     )
     for i in range(20):
         key = affinity_key({"model": "sql", "prompt": f"p{i}"}) or ""
-        assert pool.pick(key, model="sql").url == b
+        assert pool.pick(Route(key, model="sql")).url == b
         # The hot one down or tried: the other that serves it, never one that does not.
-        assert pool.pick(key, exclude={b}, model="sql").url == a
+        assert pool.pick(Route(key, model="sql"), exclude={b}).url == a
 
 
 def test_among_hot_instances_affinity_decides_and_load_still_bounds():
@@ -164,14 +165,14 @@ def test_among_hot_instances_affinity_decides_and_load_still_bounds():
     cold = Adapters(served=frozenset({"sql"}), hot=frozenset())
     pool = pool_of({a: hot, b: hot, c: cold})
     key = key_preferring(a, [a, b], "sql")
-    assert pool.pick(key, model="sql").url == a
+    assert pool.pick(Route(key, model="sql")).url == a
     key = key_preferring(b, [a, b], "sql")
-    assert pool.pick(key, model="sql").url == b
+    assert pool.pick(Route(key, model="sql")).url == b
     # Past the load bound (2 + 25 % of the least) a hot instance yields to a cold one.
     busy = pool_of({a: hot, c: cold}, loads={a: 3.0})
-    assert busy.pick(key_preferring(a, [a, c], "sql"), model="sql").url == c
+    assert busy.pick(Route(key_preferring(a, [a, c], "sql"), model="sql")).url == c
     within = pool_of({a: hot, c: cold}, loads={a: 2.0})
-    assert within.pick(key_preferring(c, [a, c], "sql"), model="sql").url == a
+    assert within.pick(Route(key_preferring(c, [a, c], "sql"), model="sql")).url == a
 
 
 def test_an_adapter_no_instance_serves_and_the_base_model_go_by_affinity_alone():
@@ -180,12 +181,14 @@ def test_an_adapter_no_instance_serves_and_the_base_model_go_by_affinity_alone()
     for i in range(20):
         key = affinity_key({"model": "tiny", "prompt": f"p{i}"}) or ""
         expected = rendezvous_order(key, [a, b])[0]
-        assert pool.pick(key, model="tiny").url == expected  # the base model
-        assert pool.pick(key, model="nope").url == expected  # unknown: the engine says 404
-        assert pool.pick(key).url == expected
+        assert pool.pick(Route(key, model="tiny")).url == expected  # the base model
+        assert pool.pick(Route(key, model="nope")).url == expected  # unknown: the engine says 404
+        assert pool.pick(Route(key)).url == expected
     # Only an instance down serves it: any healthy one rather than none.
-    pool.mark_down(pool.pick(key_preferring(a, [a, b], "sql"), model="sql"), "refused")
-    assert pool.pick(affinity_key({"model": "sql", "prompt": "x"}) or "", model="sql").url == b
+    pool.mark_down(pool.pick(Route(key_preferring(a, [a, b], "sql"), model="sql")), "refused")
+    assert (
+        pool.pick(Route(affinity_key({"model": "sql", "prompt": "x"}) or "", model="sql")).url == b
+    )
 
 
 def test_an_instance_that_goes_down_forgets_its_adapters():
@@ -202,7 +205,7 @@ def test_affinity_is_per_adapter_stable_for_each_and_different_across_them():
 
     def chosen(model: str, prompt: str) -> str:
         key = affinity_key({"model": model, "prompt": prompt}) or ""
-        return pool.pick(key, model=model).url
+        return pool.pick(Route(key, model=model)).url
 
     sql = [chosen("sql", p) for p in prompts]
     assert sql == [chosen("sql", p) for p in prompts]  # stable

@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
+from tidegate.engine.entrypoints.openai.pd_bodies import needs_prefill
 from tidegate.engine.router.health import reported_load
 from tidegate.engine.router.instances import InstancePool
-from tidegate.engine.router.rewrite import needs_prefill
+from tidegate.engine.router.routing import Route
 from tidegate.engine.router.selection import (
     AFFINITY_PREFIX_CHARS,
     Selector,
@@ -61,16 +62,16 @@ def test_no_candidates_means_no_choice():
 def test_a_pool_picks_only_healthy_instances_not_yet_tried():
     pool = InstancePool("decode")
     pool.set_urls(URLS)
-    assert pool.pick("k") is None  # discovered, not yet checked
+    assert pool.pick(Route("k")) is None  # discovered, not yet checked
     for instance in pool:
         pool.mark_healthy(instance)
-    first = pool.pick("k")
+    first = pool.pick(Route("k"))
     assert first is not None and first.url == rendezvous_order("k", URLS)[0]
     pool.mark_down(first, "refused")
-    second = pool.pick("k")
+    second = pool.pick(Route("k"))
     assert second is not None and second.url == rendezvous_order("k", URLS)[1]
-    assert pool.pick("k", exclude={second.url}).url == rendezvous_order("k", URLS)[2]
-    assert pool.pick("k", exclude=set(URLS)) is None
+    assert pool.pick(Route("k"), exclude={second.url}).url == rendezvous_order("k", URLS)[2]
+    assert pool.pick(Route("k"), exclude=set(URLS)) is None
 
 
 def test_a_pool_keeps_the_state_of_instances_it_still_has():
@@ -93,9 +94,9 @@ def test_load_counts_the_routers_requests_and_everyone_elses():
         pool.mark_healthy(instance)
     key = next(f"k{i}" for i in range(100) if rendezvous_order(f"k{i}", URLS[:2])[0] == a.url)
     a.external_load = 5  # e.g. another router replica's requests
-    assert pool.pick(key) is b
+    assert pool.pick(Route(key)) is b
     a.external_load, a.in_flight = 0, 5
-    assert pool.pick(key) is b
+    assert pool.pick(Route(key)) is b
 
 
 def test_the_affinity_key_is_the_prompts_head_in_a_canonical_form():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import time
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 from starlette.requests import Request as HTTPRequest
@@ -18,6 +20,8 @@ from tidegate.engine.entrypoints.openai.openapi import (
     error_responses,
     generation_responses,
 )
+from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
+from tidegate.engine.entrypoints.openai.prefill_via_header import PrefillViaHeader
 from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +71,8 @@ def build_app(
     loras: LoRAServing | None = None,
     allow_runtime_lora_updates: bool = False,
     tool_call_parser: str | None = None,
+    prefill_via_header: bool = False,
+    on_prefill_fallback: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
@@ -75,6 +81,9 @@ def build_app(
     With `loras`, a request's `model` may name one of its adapters; with
     `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
     With `tool_call_parser`, chat requests with tools may leave tool_choice "auto".
+    With `prefill_via_header` (a consumer only), a request whose x-prefiller-host-port header
+    names a prefill instance has its prompt computed there first; `on_prefill_fallback` counts
+    the legs that failed, by reason. Its HTTP client lives in the app's lifespan.
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -82,7 +91,19 @@ def build_app(
         raise ValueError(
             "runtime LoRA updates need enable_lora and an API key: the routes read server paths"
         )
-    app = FastAPI(title="Tidegate", version=_version())
+    if prefill_via_header and engine.kv_role != "consumer":
+        raise ValueError(
+            "prefill_via_header needs a consumer (kv_role consumer): only a decode instance "
+            f"pulls KV from a prefill instance; this engine has kv_role {engine.kv_role}"
+        )
+    prefill = PrefillViaHeader(prefill_via_header, cache_salt_header, on_prefill_fallback)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with prefill.running():
+            yield
+
+    app = FastAPI(title="Tidegate", version=_version(), lifespan=lifespan)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
@@ -127,23 +148,29 @@ def build_app(
         )
 
     @app.post(
-        "/v1/completions",
+        COMPLETIONS_PATH,
         responses=generation_responses(CompletionResponse, CompletionResponse),
     )
     async def create_completion(body: CompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
         lora = resolve_model(body.model)
         salt(body, request)
+        refused = await prefill.prefill(COMPLETIONS_PATH, body, request)
+        if refused is not None:
+            return refused
         return await completions.create(body, request, lora)
 
     @app.post(
-        "/v1/chat/completions",
+        CHAT_PATH,
         responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         check_alive()
         lora = resolve_model(body.model)
         salt(body, request)
+        refused = await prefill.prefill(CHAT_PATH, body, request)
+        if refused is not None:
+            return refused
         return await chat.create(body, request, lora)
 
     @app.get("/v1/models", responses=error_responses("4XX"))

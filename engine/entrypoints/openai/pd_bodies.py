@@ -1,4 +1,9 @@
-"""What the router sends on each leg, derived from the client's request body."""
+"""What each leg of disaggregated serving sends, derived from the client's request body.
+
+The router runs both legs (engine/router/proxy.py); a decode server that honours the
+x-prefiller-host-port header runs the prefill leg itself (prefill_via_header.py). Both build
+the legs here, so that a prefill instance sees the same body whichever sent it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from typing import Any
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+# Where an endpoint picker names the prefill instance of a request it sends to a decode one.
+PREFILLER_HEADER = "x-prefiller-host-port"
 
 
 def client_body(body: Mapping[str, Any]) -> dict[str, Any]:
