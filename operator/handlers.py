@@ -31,7 +31,7 @@ from tidegate.operator.adapter_status import AdapterReporter
 from tidegate.operator.cluster_scaler import PERIOD_S, ClusterAutoscaler
 from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
 from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, owned_labels
-from tidegate.operator.reconcile import reconcile
+from tidegate.operator.reconcile import APPLY_FAILED, CRD_NOT_INSTALLED, reconcile
 from tidegate.operator.render import RenderOptions
 from tidegate.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
@@ -149,14 +149,17 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             outcome = await reconcile(state.kube, latest, options.render, logger)
         except KubeError as error:
             raise kopf.TemporaryError(str(error), delay=options.retry_delay(retry)) from error
-        # A spec the operator refuses is in status and not retried: nothing would change until
-        # the spec does, and a new spec is a new reconcile.
-        if outcome.error is not None and outcome.error[0] == "ApplyFailed":
-            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
-        if outcome.error is None and state.autoscaler is not None:
+        reason = outcome.error[0] if outcome.error is not None else None
+        # A missing CRD left one object out: the pools run, so their autoscaler and report do.
+        if reason in (None, CRD_NOT_INSTALLED) and state.autoscaler is not None:
             state.autoscaler.watch(latest)
-        if outcome.error is None and state.adapters is not None:
+        if reason in (None, CRD_NOT_INSTALLED) and state.adapters is not None:
             state.adapters.watch(latest)
+        # A spec the operator refuses is in status and not retried: nothing would change until
+        # the spec does, and a new spec is a new reconcile. A CRD installed later brings no
+        # event of ours, so that pass is retried like a refused apply.
+        if outcome.error is not None and reason in (APPLY_FAILED, CRD_NOT_INSTALLED):
+            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)

@@ -32,6 +32,13 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+}
+# Owned kinds of APIs that a cluster may lack (another project's CRD), with what installs them.
+# Listing or deleting them there finds none; creating one is answered 404, which the reconcile
+# reports without failing the rest of the resource.
+OPTIONAL_KINDS: dict[tuple[str, str], str] = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "the Gateway API Inference Extension",
 }
 # ... and of every kind it reads or writes: those, the LLMDeployment itself, and for the
 # autoscaler the pools' pods (read, and annotated with a deletion cost) and Events.

@@ -19,6 +19,7 @@ from typing import Any
 from tidegate.operator.kube import (
     AUTOSCALER_FIELD_MANAGER,
     FIELD_MANAGER,
+    OPTIONAL_KINDS,
     OWNED_KINDS,
     Kube,
     KubeError,
@@ -35,6 +36,10 @@ KOPF_STATUS_KEY = "kopf"
 AUTOSCALING_STATUS_KEY = "autoscaling"
 ADAPTERS_STATUS_KEY = "adapters"
 OTHERS_STATUS_KEYS = {KOPF_STATUS_KEY, AUTOSCALING_STATUS_KEY, ADAPTERS_STATUS_KEY}
+# Degraded reasons of a pass that could not apply everything: the handlers retry them.
+APPLY_FAILED = "ApplyFailed"
+# The spec asks for an object whose CRD the cluster lacks: the rest is applied all the same.
+CRD_NOT_INSTALLED = "CRDNotInstalled"
 
 
 @dataclass
@@ -44,6 +49,8 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    # Objects not created because the cluster does not serve their kind (OPTIONAL_KINDS).
+    not_installed: list[str] = field(default_factory=list)
     status_written: bool = False
     error: tuple[str, str] | None = None
 
@@ -109,8 +116,11 @@ async def reconcile(
             live = await _apply_all(kube, rendered.objects, rendered.scaled, outcome, logger)
             await _delete_stale(kube, namespace, name, meta.get("uid"), rendered.objects, outcome)
         except KubeError as error:
-            outcome.error = ("ApplyFailed", error.message)
+            outcome.error = (APPLY_FAILED, error.message)
             live = {}
+        else:
+            if outcome.not_installed:
+                outcome.error = (CRD_NOT_INSTALLED, "; ".join(outcome.not_installed))
         roles = [
             role_state(
                 obj["metadata"]["labels"][COMPONENT_LABEL],
@@ -193,6 +203,15 @@ async def _apply_all(
                 outcome.created.append(_key(obj))
                 logger.info(f"created {_key(obj)}")
             except KubeError as error:
+                kind = (obj["apiVersion"], obj["kind"])
+                if error.status == 404 and kind in OPTIONAL_KINDS:
+                    # The API server does not serve the kind: the rest still applies.
+                    outcome.not_installed.append(
+                        f"the {obj['kind']} CRD ({obj['apiVersion']}) is not installed; "
+                        f"install {OPTIONAL_KINDS[kind]}"
+                    )
+                    logger.warning(f"not creating {_key(obj)}: {outcome.not_installed[-1]}")
+                    continue
                 if error.status != 409:  # 409: another pass created it in between
                     raise
                 live = await kube.get(

@@ -10,6 +10,13 @@ PodDisruptionBudget for the router too. Disaggregated: ConfigMap,
 prefill and decode Deployments behind headless Services (the router resolves their pods),
 a router Deployment behind the public Service, a PodDisruptionBudget per Deployment, and a
 NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods' KV ports.
+Wherever a router runs, the engines publish their KV-cache events and the router, which
+mounts the model read-only to tokenize prompts as they do, routes each request to the engine
+holding most of its prefix; a NetworkPolicy (`<name>-cache-events` for unified or decode
+pods, `<name>-kv` for prefill pods) admits only the router to the events port. With
+gateway.inferencePool, also an InferencePool (Gateway API
+Inference Extension) of the pods that answer clients, whose endpoint picker is the router
+(gRPC on the ClusterIP Service `<name>-epp`); a unified pool then gets a router too.
 Every engine pod runs `tidegate serve --config /etc/tidegate/<role>.yaml`, the file being
 that role's key of the ConfigMap: engine flags by their CLI names, each tuned one
 commented with its reason. With spec.adapters, every role's file turns LoRA on and names
@@ -53,6 +60,15 @@ from tidegate.operator.tuning import DTYPE_BYTES, RoleTuning, Tuning, tune
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tidegate/engine:0.1.0"
 ENGINE_PORT = 8000
+# Engines publish their KV-cache events (blocks stored and removed) here, for the router;
+# vLLM's port for them. The same in every pod, each at its own address: the router is given
+# it too, for an engine whose /metrics does not name its port.
+KV_EVENTS_PORT = 5557
+# The router's endpoint picker for gateway.inferencePool: Envoy's ext_proc gRPC service and
+# gRPC health, on the port the Gateway API Inference Extension's own picker uses.
+EPP_PORT = 9002
+EPP_PORT_NAME = "grpc-epp"
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 CONFIG_DIR = "/etc/tidegate"
 # The API key's Secret is mounted here as a file: never in the ConfigMap, an env var or args.
 SECRET_DIR = "/var/run/secrets/tidegate"
@@ -102,6 +118,9 @@ class Rendered:
     spec: LLMDeploymentSpec
     # Names of the Deployments whose spec.replicas an autoscaler sets once they exist.
     scaled: frozenset[str] = frozenset()
+    # Whether the engines publish KV-cache events, on KV_EVENTS_PORT, and the router follows
+    # them with the model's tokenizer.
+    kv_events: bool = False
 
 
 def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Rendered:
@@ -116,18 +135,20 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
         )
     spec = parse_spec(resource.get("spec") or {})
     tuning = tune(spec)
+    # A unified pool that may reach zero is reached through a router, which holds requests
+    # while no engine is ready; the public Service then selects the router. The router is
+    # also the endpoint picker of an InferencePool.
+    behind_router = spec.has_router()
     ctx = _Context(
         name=meta["name"],
         namespace=meta.get("namespace") or "default",
         owner=_owner_reference(meta),
         spec=spec,
         image=spec.image or options.default_image,
+        kv_events=behind_router and router_can_read_model(spec),
     )
     objects: list[dict[str, Any]] = []
     configs = {role: _engine_config(ctx, t) for role, t in tuning.roles.items()}
-    # A unified pool that may reach zero is reached through a router, which holds requests
-    # while no engine is ready; the public Service then selects the router.
-    behind_router = spec.has_router()
     if behind_router:
         configs["router"] = _router_config(ctx)
     objects.append(ctx.config_map(configs, _adapters_config(ctx)))
@@ -152,14 +173,38 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
             objects.append(ctx.pdb(role))
         if spec.topology.mode == "disaggregated":
             objects.append(ctx.kv_network_policy(tuning.roles["prefill"]))
+        if ctx.kv_events:
+            objects.append(ctx.events_network_policy(clients_role(spec)))
+        if spec.gateway.inference_pool:
+            objects.append(ctx.epp_service())
     objects += scaler_objects(spec, ctx.name, ctx.namespace, ctx.metadata)
+    if spec.gateway.inference_pool:
+        # Last: on a cluster without the extension's CRD only this object fails to apply.
+        objects.append(ctx.inference_pool())
     return Rendered(
         objects=objects,
         tuning=tuning,
         endpoint=endpoint_of(resource),
         spec=spec,
         scaled=frozenset(scaled),
+        kv_events=ctx.kv_events,
     )
+
+
+def router_can_read_model(spec: LLMDeploymentSpec) -> bool:
+    """Whether router pods can mount the model folder, whose tokenizer KV-event routing needs.
+
+    A volume (pvc, hostPath) is mounted read-only as in the engine pods, and a uri fetched into
+    spec.model.cache is read where the engines' shared fetch put it. A uri without a cache is
+    downloaded into each engine pod's own emptyDir: a router pod would download every weight
+    of the model to read its tokenizer, so the router routes without KV events instead.
+    """
+    return spec.model.source.uri is None or spec.model.cache is not None
+
+
+def clients_role(spec: LLMDeploymentSpec) -> str:
+    """The engine pool that answers clients: decode pods when disaggregated, else unified."""
+    return "decode" if spec.topology.mode == "disaggregated" else "unified"
 
 
 def deployment_name(name: str, role: str) -> str:
@@ -203,6 +248,8 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         "max_num_seqs": spec.scheduling.max_num_seqs,
         "enable_prefix_caching": spec.scheduling.enable_prefix_caching,
         "shutdown_timeout": float(SHUTDOWN_TIMEOUT_S),
+        # Also vLLM's `vllm:` names: what the Gateway API Inference Extension's pickers and
+        # vLLM dashboards read.
         "metrics_compat": "vllm",
     }
     if spec.model.max_model_len is not None:
@@ -213,9 +260,21 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         values["tool_call_parser"] = spec.model.tool_call_parser
     if spec.model.cache is not None:
         values["compile_cache_dir"] = ctx.compile_cache_dir()
+    reasons: dict[str, str] = {}
     if tuning.role != "unified":
         values["kv_role"] = "producer" if tuning.role == "prefill" else "consumer"
-    reasons: dict[str, str] = {}
+    if ctx.kv_events:
+        values["kv_events_port"] = KV_EVENTS_PORT
+        reasons["kv_events_port"] = (
+            "the router follows the blocks each engine holds, and sends a request where its "
+            "prefix is cached"
+        )
+    if spec.gateway.inference_pool and tuning.role == "decode":
+        values["prefill_via_header"] = True
+        reasons["prefill_via_header"] = (
+            "gateway.inferencePool: the endpoint picker names a prefill pod in "
+            "x-prefiller-host-port, and this pod has it prefill the prompt"
+        )
     if spec.adapters is not None:
         # Every role alike: in P/D a request's prefill and decode legs both need its adapter.
         values["enable_lora"] = True
@@ -292,14 +351,30 @@ def _router_config(ctx: _Context) -> str:
         }
     else:
         pools = {"decode": [ctx.service_url(f"{ctx.name}-unified")]}
-    values = {
+    values: dict[str, Any] = {
         **pools,
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
         **_tenancy_values(ctx.spec),
     }
+    reasons: dict[str, str] = {}
+    if ctx.kv_events:
+        values["kv_events_port"] = KV_EVENTS_PORT
+        reasons["kv_events_port"] = (
+            "every engine publishes the blocks it holds there: a request goes where its "
+            "prefix is cached"
+        )
+        values["tokenizer"] = ctx.model_path()
+        reasons["tokenizer"] = (
+            "the model folder, mounted read-only: prompts are tokenized as the engines do"
+        )
+    if ctx.spec.gateway.inference_pool:
+        values["epp_port"] = EPP_PORT
+        reasons["epp_port"] = (
+            f"gateway.inferencePool: the endpoint picker a Gateway asks, Service {ctx.name}-epp"
+        )
     _check_fields(values, RouterArgs)
-    return _config_text("tidegate router --config: router pods", values, {})
+    return _config_text("tidegate router --config: router pods", values, reasons)
 
 
 def _tenancy_values(spec: LLMDeploymentSpec) -> dict[str, Any]:
@@ -398,6 +473,8 @@ class _Context:
     owner: list[dict[str, Any]]
     spec: LLMDeploymentSpec
     image: str
+    # Engines publish KV-cache events and the router, with the model mounted, follows them.
+    kv_events: bool = False
 
     def model_path(self) -> str:
         """Where the engine reads the model: the cache's copy of a fetched one, else MODEL_DIR."""
@@ -493,6 +570,20 @@ class _Context:
         probes and Prometheus alike, wherever those run.
         """
         kv = [{"protocol": "TCP", "port": p["containerPort"]} for p in kv_ports(prefill)]
+        ingress: list[dict[str, Any]] = [
+            # The router's legs, the kubelet's probes and metric scrapes.
+            {"ports": [{"protocol": "TCP", "port": "http"}]},
+            # No namespaceSelector: a podSelector alone means this namespace only.
+            {
+                "from": [{"podSelector": {"matchLabels": selector_labels(self.name, "decode")}}],
+                "ports": kv,
+            },
+        ]
+        if self.kv_events:
+            # Which prefixes are cached is the router's business alone.
+            router = {"podSelector": {"matchLabels": selector_labels(self.name, "router")}}
+            events = [{"protocol": "TCP", "port": KV_EVENTS_PORT}]
+            ingress.append({"from": [router], "ports": events})
         return {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
@@ -500,17 +591,75 @@ class _Context:
             "spec": {
                 "podSelector": {"matchLabels": selector_labels(self.name, "prefill")},
                 "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    def events_network_policy(self, role: str) -> dict[str, Any]:
+        """Unified or decode pods: http from anywhere, the KV-events port only from the router.
+
+        Those pods listen on nothing else. The events say which prefixes are cached, which
+        is the router's business alone; prefill pods get the same rule in `<name>-kv`.
+        """
+        router = {"podSelector": {"matchLabels": selector_labels(self.name, "router")}}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": self.metadata(f"{self.name}-cache-events", role),
+            "spec": {
+                "podSelector": {"matchLabels": selector_labels(self.name, role)},
+                "policyTypes": ["Ingress"],
                 "ingress": [
-                    # The router's legs, the kubelet's probes and metric scrapes.
                     {"ports": [{"protocol": "TCP", "port": "http"}]},
-                    # No namespaceSelector: a podSelector alone means this namespace only.
-                    {
-                        "from": [
-                            {"podSelector": {"matchLabels": selector_labels(self.name, "decode")}}
-                        ],
-                        "ports": kv,
-                    },
+                    {"from": [router], "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT}]},
                 ],
+            },
+        }
+
+    def epp_service(self) -> dict[str, Any]:
+        """The router pods' endpoint picker, for the InferencePool to name.
+
+        A Service of its own, always ClusterIP: the public one may be a LoadBalancer, and the
+        picker answers only the Gateway's proxy, inside the cluster.
+        """
+        port = {
+            "name": EPP_PORT_NAME,
+            "port": EPP_PORT,
+            "targetPort": EPP_PORT_NAME,
+            "protocol": "TCP",
+            # gRPC without TLS: proxies that read appProtocol speak HTTP/2 to it at once.
+            "appProtocol": "kubernetes.io/h2c",
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.metadata(f"{self.name}-epp", "router"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector_labels(self.name, "router"),
+                "ports": [port],
+            },
+        }
+
+    def inference_pool(self) -> dict[str, Any]:
+        """The InferencePool a Gateway's HTTPRoute names: the pods that answer clients, on
+        their http port, and the router as the picker of one of them for each request."""
+        role = clients_role(self.spec)
+        return {
+            "apiVersion": INFERENCE_POOL_API_VERSION,
+            "kind": "InferencePool",
+            "metadata": self.metadata(self.name, role),
+            "spec": {
+                "selector": {"matchLabels": selector_labels(self.name, role)},
+                "targetPorts": [{"number": ENGINE_PORT}],
+                "endpointPickerRef": {
+                    "group": "",
+                    "kind": "Service",
+                    "name": f"{self.name}-epp",
+                    # The Service's port (the picker's container port is the same number).
+                    "port": {"number": EPP_PORT},
+                    "failureMode": self.spec.gateway.failure_mode,
+                },
             },
         }
 
@@ -524,6 +673,9 @@ class _Context:
             container["resources"] = resources
         if role == "prefill":
             container["ports"].extend(kv_ports(tuning))
+        if self.kv_events:
+            port = {"name": "cache-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}
+            container["ports"].append(port)
         container.update(self.probes())
         volumes, mounts, init = self.model_volume()
         inits = [init] if init is not None else []
@@ -536,9 +688,6 @@ class _Context:
         pod_spec = self.pod_spec(container, volumes)
         if inits:
             pod_spec["initContainers"] = inits
-        if self.spec.model.cache is not None and self.spec.model.cache.pvc is not None:
-            # Else the kubelet may chown every file of the shared claim at each pod's start.
-            pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
         return self.deployment(name, role, replicas, pod_spec, config)
 
     def router_deployment(self, replicas: int, config: str) -> dict[str, Any]:
@@ -555,7 +704,18 @@ class _Context:
             "periodSeconds": 10,
             "failureThreshold": 6,
         }
-        pod_spec = self.pod_spec(container, [])
+        if self.spec.gateway.inference_pool:
+            port = {"name": EPP_PORT_NAME, "containerPort": EPP_PORT, "protocol": "TCP"}
+            container["ports"].append(port)
+        volumes: list[dict[str, Any]] = []
+        init = None
+        if self.kv_events:
+            # The tokenizer: the model folder at the engines' path, read-only.
+            volumes, mounts, init = self.model_folder(read_only=True)
+            container["volumeMounts"].extend(mounts)
+        pod_spec = self.pod_spec(container, volumes)
+        if init is not None:
+            pod_spec["initContainers"] = [init]
         return self.deployment(f"{self.name}-router", "router", replicas, pod_spec, config)
 
     def deployment(
@@ -622,7 +782,7 @@ class _Context:
                 "defaultMode": 0o440,
             }
             volumes = [*volumes, {"name": "api-key", "secret": secret}]
-        return {
+        pod: dict[str, Any] = {
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -640,6 +800,10 @@ class _Context:
                 *volumes,
             ],
         }
+        if any(v["name"] == "model-cache" and "persistentVolumeClaim" in v for v in volumes):
+            # Else the kubelet may chown every file of the shared claim at each pod's start.
+            pod["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
+        return pod
 
     def engine_resources(self, tuning: RoleTuning) -> dict[str, Any]:
         requests: dict[str, str] = {}
@@ -703,17 +867,34 @@ class _Context:
     def model_volume(
         self,
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
-        """(volumes, engine mounts, init container) that put the model folder at model_path()."""
-        source = self.spec.model.source
+        """(volumes, engine mounts, init container) that put the model folder at model_path(),
+        with /dev/shm and spec.model.cache (writable, for the compile cache) beside it."""
         volumes: list[dict[str, Any]] = [
             # Workers exchange step inputs through /dev/shm; the container default is 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
         ]
         mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-        if self.spec.model.cache is not None:
+        folder_volumes, folder_mounts, init = self.model_folder(read_only=False)
+        return volumes + folder_volumes, mounts + folder_mounts, init
+
+    def model_folder(
+        self, *, read_only: bool
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
+        """(volumes, mounts, init container) that put the model folder at model_path().
+
+        Engine and router pods alike (the router reads the tokenizer there). spec.model.cache
+        is mounted for the engines' compile cache, or, for a fetched model, because the folder
+        is in it: `read_only` mounts it so (the fetch keeps a writable mount of its own); the
+        model's own volume is always read-only. The router never gets a uri model without a
+        cache (`router_can_read_model`).
+        """
+        source = self.spec.model.source
+        volumes: list[dict[str, Any]] = []
+        mounts: list[dict[str, Any]] = []
+        if self.spec.model.cache is not None and (source.uri is not None or not read_only):
             cache_volume, cache_mount = self.cache_volume()
             volumes.append(cache_volume)
-            mounts.append(cache_mount)
+            mounts.append({**cache_mount, "readOnly": True} if read_only else cache_mount)
             if source.uri is not None:
                 # Into the cache, once for all the pods that share it: the others wait.
                 fetch = ["--shared", source.uri, self.model_path()]

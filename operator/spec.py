@@ -307,7 +307,8 @@ class RoleSpec(SpecModel):
 class RouterSpec(SpecModel):
     """The pods that send each request to a prefill pod and then a decode pod."""
 
-    # In unified mode: the balancer in front of a pool that may reach zero (it holds requests).
+    # In unified mode: the balancer in front of a pool that may reach zero (it holds requests),
+    # or the endpoint picker of gateway.inferencePool.
 
     replicas: int = Field(1, ge=0, le=1000)
 
@@ -403,6 +404,21 @@ class ServiceSpec(SpecModel):
 
     port: int = Field(8000, ge=1, le=65535)
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+
+
+class GatewaySpec(SpecModel):
+    """Serving through a Gateway of the Gateway API Inference Extension."""
+
+    inference_pool: bool = Field(
+        False,
+        description="Render an InferencePool (inference.networking.k8s.io/v1) named after "
+        "this resource",
+    )
+    # The extension's own default: a picker that does not answer stops the request rather
+    # than letting the Gateway send it to any pod (which may be loaded, or lack its prefix).
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose", description="What the Gateway does while the endpoint picker does not answer"
+    )
 
 
 class SecretKeyRef(SpecModel):
@@ -560,8 +576,13 @@ ZERO_NEEDS_ROUTER = (
     "minReplicas 0 needs a router to hold requests: topology.router.replicas must be at least 1"
 )
 UNIFIED_ROUTER_NEEDS_ZERO = (
-    "topology.router in unified mode is for a pool that may reach zero: it needs "
-    "autoscaling.unified.minReplicas 0"
+    "topology.router in unified mode is for a pool that may reach zero or for the endpoint "
+    "picker of an InferencePool: it needs autoscaling.unified.minReplicas 0 or "
+    "gateway.inferencePool true"
+)
+INFERENCE_POOL_NEEDS_ROUTER = (
+    "gateway.inferencePool needs the router, its endpoint picker: topology.router.replicas "
+    "must be at least 1"
 )
 
 
@@ -596,14 +617,20 @@ class LLMDeploymentSpec(SpecModel):
     parallelism: ParallelismSpec = ParallelismSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
     service: ServiceSpec = ServiceSpec()
+    gateway: GatewaySpec = GatewaySpec()
     auth: AuthSpec | None = None
     autoscaling: AutoscalingSpec | None = None
 
     @model_validator(mode="after")
     def _autoscaling_fits_topology(self) -> LLMDeploymentSpec:
         unified_router = self.topology.mode == "unified" and self.topology.router is not None
-        if unified_router and not self.unified_may_reach_zero():
+        if unified_router and not (self.unified_may_reach_zero() or self.gateway.inference_pool):
             raise ValueError(UNIFIED_ROUTER_NEEDS_ZERO)
+        # The InferencePool names the router's picker: with no router pod, a Gateway that
+        # fails closed refuses every request.
+        router = self.topology.router
+        if self.gateway.inference_pool and router is not None and router.replicas == 0:
+            raise ValueError(INFERENCE_POOL_NEEDS_ROUTER)
         if self.autoscaling is None:
             return self
         policies = self.autoscaling.policies()
@@ -614,7 +641,6 @@ class LLMDeploymentSpec(SpecModel):
             raise ValueError(AUTOSCALING_ROLES_ONLY)
         # A pool at zero replicas serves nothing: something must hold its requests meanwhile.
         # Disaggregated pools have the router; a unified pool that may reach zero gets one.
-        router = self.topology.router
         zero = any(policy.min_replicas == 0 for policy in policies.values())
         if zero and router is not None and router.replicas == 0:
             raise ValueError(ZERO_NEEDS_ROUTER)
@@ -634,8 +660,13 @@ class LLMDeploymentSpec(SpecModel):
         return self
 
     def has_router(self) -> bool:
-        """Whether a router is in front: when disaggregated, or of a pool that may reach zero."""
-        return self.topology.mode == "disaggregated" or self.unified_may_reach_zero()
+        """Whether a router is in front: when disaggregated, of a pool that may reach zero, or
+        to serve an InferencePool's endpoint picker."""
+        return (
+            self.topology.mode == "disaggregated"
+            or self.unified_may_reach_zero()
+            or self.gateway.inference_pool
+        )
 
     def unified_may_reach_zero(self) -> bool:
         """Whether a unified pool's policy lets it go to zero: a router then stands in front."""

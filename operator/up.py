@@ -6,7 +6,11 @@ these local substitutions only:
 - the ConfigMap's files are written to a folder and `--config` points there (the adapters
   file with this machine's folders, kept in step with the manifest while up runs:
   `operator/up_adapters.py`);
-- each process listens on 127.0.0.1 and a free port; KV transfer ports are picked free too;
+- each process listens on 127.0.0.1 and a free port; KV transfer ports are picked free too,
+  and so is the router's endpoint picker port (gateway.inferencePool);
+- each engine publishes its KV-cache events on a free port (`--kv-events-port 0`, which its
+  /metrics names for the router), where in a cluster each pod has its own address and all
+  use one port; the router reads the tokenizer from the local model folder;
 - the model source becomes a local folder (`--model-dir`, or the hostPath when it exists);
 - a Service becomes the URLs of the replicas behind it (the router's --prefill/--decode);
 - accelerator requests are ignored on a machine without CUDA (`--device cpu`, with a warning).
@@ -294,12 +298,21 @@ def _assign_ports_and_flags(
         pod.command += ["--model", str(model_dir)]
         if pod.role in ("prefill", "decode"):
             pod.command += ["--kv-host", "127.0.0.1", "--kv-port", "0"]
+        if rendered.kv_events:
+            pod.command += ["--kv-events-port", "0"]
         tuning = rendered.tuning.roles[pod.role]
         # torch is imported (seconds) only when some pool asks for accelerators.
         if tuning.accelerated and not _cuda_available():
             pod.command += ["--device", "cpu"]
         pod.flags = {name: choice.value for name, choice in tuning.choices().items()}
     for pod in pods:
+        if pod.role == "router" and rendered.spec.gateway.inference_pool:
+            # The endpoint picker, for a local Envoy to try: a free port, shown in the table.
+            epp_port = free_port()
+            pod.command += ["--epp-port", str(epp_port)]
+            pod.flags = {"eppPort": epp_port}
+        if pod.role == "router" and rendered.kv_events:
+            pod.command += ["--tokenizer", str(model_dir)]
         if pod.role == "router":
             # A unified pool's router balances it as the decode side.
             for role, behind in (("prefill", {"prefill"}), ("decode", {"decode", "unified"})):

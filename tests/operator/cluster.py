@@ -19,6 +19,7 @@ import httpx
 import kmock
 import yaml
 from kmock._internal import dsl as kmock_dsl
+from kmock._internal import k8s as kmock_k8s
 from kmock._internal import parsing as kmock_parsing
 from kmock._internal import rendering as kmock_rendering
 
@@ -26,6 +27,7 @@ from tidegate.operator.kube import object_path
 
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 
+INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
 # kopf serves only resources whose discovery lists these verbs.
 _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 _RESOURCES = {
@@ -42,6 +44,7 @@ _RESOURCES = {
         "namespaced": True,
     },
     "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
+    INFERENCE_POOLS: {"kind": "InferencePool", "namespaced": True},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition",
         "namespaced": False,
@@ -98,10 +101,34 @@ def _sees_request(contains: Callable[[Any, Any], bool]) -> Callable[[Any, Any], 
 kmock_dsl.View.__contains__ = _sees_request(kmock_dsl.View.__contains__)  # type: ignore[method-assign]
 
 
-class EmulatedCluster:
-    """Start with `with EmulatedCluster(tmp_path) as cluster:`; `cluster.kubeconfig` logs in."""
+class _Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator, less some resources: a cluster without their CRDs.
 
-    def __init__(self, workdir: Path) -> None:
+    kmock stores an object of any resource it is sent; kube-apiserver answers 404 to every
+    request for a resource it does not serve, and discovery does not list it.
+    """
+
+    def __init__(self, missing: frozenset[str]) -> None:
+        super().__init__()
+        self.missing = missing
+
+    async def _handle(self, request: Any) -> Any:
+        resource = request.resource
+        if resource is not None:
+            key = "/".join(part for part in (resource.group, resource.version) if part)
+            if f"{key}/{resource.plural}" in self.missing:
+                raise kmock_k8s.KubernetesResourceNotFoundError()
+        return await super()._handle(request)
+
+
+class EmulatedCluster:
+    """Start with `with EmulatedCluster(tmp_path) as cluster:`; `cluster.kubeconfig` logs in.
+
+    `missing` names resources (as `group/version/plural`) the cluster does not serve.
+    """
+
+    def __init__(self, workdir: Path, missing: frozenset[str] = frozenset()) -> None:
+        self.missing = missing
         self.kubeconfig = workdir / "kubeconfig"
         self.emulator: Any = None
         self.url = ""
@@ -150,9 +177,10 @@ class EmulatedCluster:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        async with _Emulator(self.missing) as emulator, kmock.Server(emulator) as server:
             for key, info in _RESOURCES.items():
-                emulator.resources[key] = kmock.ResourceInfo(verbs=_VERBS, **info)
+                if key not in self.missing:
+                    emulator.resources[key] = kmock.ResourceInfo(verbs=_VERBS, **info)
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()

@@ -38,6 +38,7 @@ from tidegate.operator.spec import (
     CPU_LORAS_AT_LEAST_LORAS,
     GROUP,
     HPA_CANNOT_REACH_ZERO,
+    INFERENCE_POOL_NEEDS_ROUTER,
     KEDA_NEEDS_PROMETHEUS,
     KIND,
     LORA_NEEDS_ADAPTERS,
@@ -362,6 +363,34 @@ INVALID = [
         },
         f'spec: Invalid value: "object": {UNIFIED_ROUTER_NEEDS_ZERO}',
         f"spec: {UNIFIED_ROUTER_NEEDS_ZERO}",
+    ),
+    _row(
+        "inference-pool-without-a-router",
+        {"topology": {"router": {"replicas": 0}}, "gateway": {"inferencePool": True}},
+        f'spec: Invalid value: "object": {INFERENCE_POOL_NEEDS_ROUTER}',
+        f"spec: {INFERENCE_POOL_NEEDS_ROUTER}",
+    ),
+    _row(
+        "disaggregated-inference-pool-without-a-router",
+        {
+            "topology": {**DISAGGREGATED, "router": {"replicas": 0}},
+            "gateway": {"inferencePool": True},
+        },
+        f'spec: Invalid value: "object": {INFERENCE_POOL_NEEDS_ROUTER}',
+        f"spec: {INFERENCE_POOL_NEEDS_ROUTER}",
+    ),
+    _row(
+        "unified-router-without-an-inference-pool",
+        {"topology": {"router": {"replicas": 2}}, "gateway": {"inferencePool": False}},
+        f'spec: Invalid value: "object": {UNIFIED_ROUTER_NEEDS_ZERO}',
+        f"spec: {UNIFIED_ROUTER_NEEDS_ZERO}",
+    ),
+    _row(
+        "gateway-failure-mode-unknown",
+        {"gateway": {"inferencePool": True, "failureMode": "FailSilently"}},
+        'spec.gateway.failureMode: Unsupported value: "FailSilently": supported values: '
+        '"FailOpen", "FailClose"',
+        "spec.gateway.failureMode: Input should be 'FailOpen' or 'FailClose'",
     ),
     _row(
         "unified-to-zero-without-a-router",
@@ -1035,7 +1064,29 @@ def _with_adapters(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
     return st.one_of(st.just(spec), st.tuples(with_adapters, _lora_limits).map(_with_lora))
 
 
-_specs = _base_specs.flatmap(_with_autoscaling).flatmap(_with_adapters)
+def _with_gateway(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
+    """`spec`, or `spec` with spec.gateway: an InferencePool only where a router may run, and
+    in unified mode perhaps a topology.router of its own (its endpoint picker)."""
+    topology = spec.get("topology", {})
+    router = topology.get("router", {}).get("replicas", 1) >= 1
+    gateway = _some(
+        inferencePool=st.just(True) if router else st.just(False),
+        failureMode=st.sampled_from(["FailOpen", "FailClose"]),
+    )
+    with_gateway = gateway.map(lambda given: {**spec, "gateway": given})
+    if topology.get("mode") == "disaggregated" or "router" in topology:
+        return st.one_of(st.just(spec), with_gateway)
+    picker = st.integers(1, 3).map(
+        lambda replicas: {
+            **spec,
+            "topology": {**topology, "router": {"replicas": replicas}},
+            "gateway": {"inferencePool": True},
+        }
+    )
+    return st.one_of(st.just(spec), with_gateway, picker)
+
+
+_specs = _base_specs.flatmap(_with_autoscaling).flatmap(_with_adapters).flatmap(_with_gateway)
 
 # Any JSON scalar but an integral float (kubectl sends 2.0 as 2) and null (the apiserver drops
 # it; pydantic refuses it where a field has a non-null default).

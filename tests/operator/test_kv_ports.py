@@ -54,7 +54,8 @@ def prefill_pod(dp: int, tp: int, tmp_path: Path) -> tuple[EngineArgs, set[int]]
         if o["kind"] == "Deployment" and o["metadata"]["labels"][COMPONENT_LABEL] == "prefill"
     ]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    declared = {p["containerPort"] for p in container["ports"] if p["name"] != "http"}
+    # The KV transfer ports: kv, kv-1, ... (http and the KV-events port serve other clients).
+    declared = {p["containerPort"] for p in container["ports"] if p["name"].startswith("kv")}
     return args, declared
 
 

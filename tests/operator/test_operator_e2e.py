@@ -236,9 +236,13 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
     policy = wait_for(lambda: get(cluster, "NetworkPolicy", "pd-kv"), what="the KV policy")
     assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-pd"
     assert policy["spec"]["podSelector"]["matchLabels"][COMPONENT_LABEL] == ("prefill")
-    (_, kv_rule) = policy["spec"]["ingress"]
+    (_, kv_rule, events_rule) = policy["spec"]["ingress"]
     (peer,) = kv_rule["from"]
     assert peer["podSelector"]["matchLabels"][COMPONENT_LABEL] == "decode"
+    # ... and their KV-cache events to the router's.
+    (peer,) = events_rule["from"]
+    assert peer["podSelector"]["matchLabels"][COMPONENT_LABEL] == "router"
+    assert events_rule["ports"] == [{"protocol": "TCP", "port": 5557}]
     wanted_ingress = policy["spec"]["ingress"]
     # Someone opens the KV ports to everyone: the operator closes them again.
     cluster.patch("networking.k8s.io/v1", "NetworkPolicy", "pd-kv", {"spec": {"ingress": [{}]}})
@@ -559,7 +563,12 @@ def test_a_second_reconcile_of_an_unchanged_resource_writes_nothing(
                     tiny_spec(topology={"mode": "disaggregated", "prefill": {}, "decode": {}}),
                 )
             )
+            # With an InferencePool, its picker's Service and a router of two replicas.
+            gateway = {"inferencePool": True, "failureMode": "FailOpen"}
+            topology = {"router": {"replicas": 2}}
+            cluster.create(llmd("same-gw", tiny_spec(topology=topology, gateway=gateway)))
             wait_for(lambda: get(cluster, "NetworkPolicy", "same-pd-kv"), what="children")
+            wait_for(lambda: get(cluster, "InferencePool", "same-gw"), what="the InferencePool")
             roll_out(cluster, "same", replicas=1, updated=1, available=1)
             wait_for(lambda: status(cluster, "same").get("phase") == "Ready", what="Ready")
             settle(cluster)
@@ -575,14 +584,14 @@ def test_a_second_reconcile_of_an_unchanged_resource_writes_nothing(
             assert cluster.writes(since=mark) == []
         assert runner.exception is None
 
-        # A restarted operator resumes both resources: reads, and writes nothing.
+        # A restarted operator resumes every resource: reads, and writes nothing.
         mark = cluster.request_count()
         resumed = log.count("reconcile_resource' succeeded")
         with run_operator(cluster) as runner:
-            # Both resources resumed: each read its children and wrote nothing.
+            # Every resource resumed: each read its children and wrote nothing.
             wait_for(
-                lambda: log.count("reconcile_resource' succeeded") >= resumed + 2,
-                what="both resources to be resumed",
+                lambda: log.count("reconcile_resource' succeeded") >= resumed + 3,
+                what="every resource to be resumed",
             )
             settle(cluster)
         assert runner.exception is None

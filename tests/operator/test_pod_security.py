@@ -55,9 +55,12 @@ SKIPPED = {
         "and a user who sets spec.resources.memory gets it as the limit too."
     ),
     "CKV2_K8S_6": (
-        "NetworkPolicy: deliberate for unified, decode and router pods. Prefill pods have one "
-        "(<name>-kv) and pass: their KV ports, which serve cache blocks to anyone who asks, "
-        "admit only the same resource's decode pods. The others listen on http alone, which "
+        "NetworkPolicy: deliberate for router pods, and for unified and decode pods that "
+        "publish no KV-cache events. Prefill pods have one (<name>-kv) and pass: their KV "
+        "ports, which serve cache blocks to anyone who asks, admit only the same resource's "
+        "decode pods; engine pods that publish KV-cache events have one (<name>-cache-events "
+        "for unified and decode pods) that admits only the router to that port. The others "
+        "listen on http alone, which "
         "clients, the router, the kubelet's probes and Prometheus reach from wherever they "
         "run; the operator cannot know those sources, and a policy that selects a pod denies "
         "every source it does not list."
@@ -216,16 +219,26 @@ def test_every_skip_has_a_reason() -> None:
         assert len(reason.split()) >= 8, f"{check_id}: say why it is skipped"
 
 
-def test_prefill_pods_have_a_network_policy(scan) -> None:
-    """The pods that serve KV blocks are the ones a NetworkPolicy selects (CKV2_K8S_6)."""
+def test_pods_that_serve_kv_blocks_or_events_have_a_network_policy(scan) -> None:
+    """The pods that serve KV blocks (prefill) or KV-cache events (any engine behind a router)
+    are the ones a NetworkPolicy selects (CKV2_K8S_6); router pods and engines served
+    directly listen on http alone."""
     checked = [check for check in scan["passed"] if check["id"] == "CKV2_K8S_6"]
-    assert {check["file"] for check in checked} == {
-        "example-disaggregated-tiny-0",
-        "disaggregated-gpu",
-    }
-    assert all("/component-prefill." in check["resource"] for check in checked)
     failed = [check for check in scan["failed"] if check["id"] == "CKV2_K8S_6"]
+    by_file: dict[str, set[str]] = defaultdict(set)
+    for check in checked:
+        by_file[check["file"]].add(check["resource"].split("/component-")[1].split(".")[0])
+    assert by_file == {
+        "example-disaggregated-tiny-0": {"prefill", "decode"},
+        "disaggregated-gpu": {"prefill", "decode"},
+        "example-autoscaling-tiny-0": {"unified"},  # minReplicas 0: behind a router
+        "example-gateway-tiny-0": {"unified"},
+    }
     assert not [check for check in failed if "/component-prefill." in check["resource"]]
+    behind_a_router = {
+        check["file"] for check in failed if "/component-router." in check["resource"]
+    }
+    assert behind_a_router == set(by_file)
 
 
 def test_what_the_user_controls_passes_when_the_user_sets_it(scan) -> None:

@@ -47,6 +47,9 @@ UID = "6f1c2a44-3b7e-4c55-9a1d-0d2f7e9b8c11"
 # KEDA's ScaledObject CRD as KEDA publishes it (tests/operator/schemas/README.md says whence).
 KEDA_CRD = Path(__file__).resolve().parent / "schemas" / "keda.sh_scaledobjects.yaml"
 KEDA_SCALED_OBJECTS = CRDValidator(load_crd(KEDA_CRD), "v1alpha1")
+# The Gateway API Inference Extension's InferencePool CRD (tests/fixtures/gie/README.md).
+GIE_CRD = REPO / "tests" / "fixtures" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
+INFERENCE_POOLS = CRDValidator(load_crd(GIE_CRD), "v1")
 SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash", "-c"}
 TINY = 1e9  # parameters
 LLAMA_70B_MODEL = {
@@ -149,7 +152,8 @@ _accepted: set[tuple[str, str]] = set()
 
 
 def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
-    """Kubernetes `version` accepts each object; a ScaledObject, KEDA's published CRD does."""
+    """Kubernetes `version` accepts each object; a ScaledObject, KEDA's published CRD does, and
+    an InferencePool, the Gateway API Inference Extension's."""
     for obj in objects:
         key = (version, json.dumps(obj, sort_keys=True))
         if key in _accepted:
@@ -157,6 +161,9 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
         if obj["kind"] == "ScaledObject":
             refused = KEDA_SCALED_OBJECTS.validate(obj)
             assert refused == [], f"ScaledObject {obj['metadata']['name']}: {refused}"
+        elif obj["kind"] == "InferencePool":
+            refused = INFERENCE_POOLS.validate(obj)
+            assert refused == [], f"InferencePool {obj['metadata']['name']}: {refused}"
         else:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -284,6 +291,18 @@ TABLE = {
         "adapters": [ADAPTER_SQL],
         "lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8},
     },
+    "gateway-unified-two-routers": {
+        "model": model({"pvc": {"claimName": "models", "path": "llama"}}),
+        "topology": {"unified": {"replicas": 3}, "router": {"replicas": 2}},
+        "gateway": {"inferencePool": True},
+    },
+    "gateway-disaggregated-cached-uri-fail-open": {
+        "model": model({"uri": "https://models.example/llama.tar.gz"}, cache=PVC_CACHE),
+        "topology": disaggregated(decode={"replicas": 2}),
+        "gateway": {"inferencePool": True, "failureMode": "FailOpen"},
+        "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "secret-value"}},
+        "service": {"type": "LoadBalancer"},
+    },
     "user-set-chunks": {
         "model": model(parameterCount=7 * TINY),
         "accelerator": gpus(2),
@@ -401,6 +420,12 @@ def llm_specs(draw: st.DrawFn) -> dict[str, Any]:
     )
     if draw(st.booleans()):
         spec["autoscaling"] = draw(autoscaling_for(spec["topology"]))
+    # An InferencePool where a router may run (its endpoint picker).
+    if spec["topology"].get("router", {}).get("replicas", 1) >= 1 and draw(st.booleans()):
+        spec["gateway"] = {
+            "inferencePool": True,
+            "failureMode": draw(st.sampled_from(["FailOpen", "FailClose"])),
+        }
     if draw(st.booleans()):
         spec["adapters"] = draw(adapters_besides(model_part["name"]))
     spec.update(
@@ -532,6 +557,7 @@ def test_disaggregated_renders_prefill_decode_and_router_pools() -> None:
         ("Deployment", "llm-decode"),
         ("Deployment", "llm-prefill"),
         ("Deployment", "llm-router"),
+        ("NetworkPolicy", "llm-cache-events"),
         ("NetworkPolicy", "llm-kv"),
         ("PodDisruptionBudget", "llm-decode"),
         ("PodDisruptionBudget", "llm-prefill"),
@@ -594,7 +620,7 @@ def test_only_decode_pods_of_the_resource_reach_the_prefill_kv_ports() -> None:
     prefill = find(rendered, "Deployment", "llm-prefill")
     labels = {d["metadata"]["name"]: pod_labels(d) for d in deployments(rendered)}
     other_labels = {d["metadata"]["name"]: pod_labels(d) for d in deployments(other)}
-    kv = [p["containerPort"] for p in main_container(prefill)["ports"] if p["name"] != "http"]
+    kv = [p["containerPort"] for p in main_container(prefill)["ports"] if p["name"][:2] == "kv"]
     assert len(kv) > 2  # several engine cores: every core's ports are covered
     for port in kv:
         assert admits(policy, prefill, port, labels["llm-decode"])

@@ -389,6 +389,8 @@ def test_unified_pool_that_may_reach_zero_gets_a_router_in_front(driver: str) ->
         ("Service", "llm-unified"),
         ("PodDisruptionBudget", "llm"),
         ("PodDisruptionBudget", "llm-router"),
+        # The router follows the engines' KV-cache events, which only it may read.
+        ("NetworkPolicy", "llm-cache-events"),
     ]
     if driver == "keda":
         expected.append(("ScaledObject", "llm"))
@@ -430,7 +432,8 @@ def test_router_in_front_balances_the_unified_pool(tmp_path: Path) -> None:
     RouterArgs(**values)
     assert find(rendered, "Deployment", "llm-router")["spec"]["replicas"] == 3
     assert find(rendered, "Service", "llm")["spec"]["ports"][0]["port"] == 443
-    assert not of_kind(rendered, "NetworkPolicy")
+    (policy,) = of_kind(rendered, "NetworkPolicy")
+    assert policy["metadata"]["name"] == "llm-cache-events"  # no KV-transfer policy
 
 
 def test_unified_pool_that_cannot_reach_zero_is_served_directly() -> None:

@@ -102,6 +102,10 @@ operator's code and compares.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.gateway.inferencePool: the Gateway API Inference Extension's InferencePool.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler (driver operator) lists a pool's pods to scrape their /metrics, and
 # annotates them with controller.kubernetes.io/pod-deletion-cost before a scale-down; the
 # report of LoRA adapters (status.adapters) lists and scrapes the engine pods too.
