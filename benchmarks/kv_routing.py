@@ -147,7 +147,11 @@ def main() -> None:
                 counts = totals(urls)
             if result["failed"]:
                 raise SystemExit(f"{name}: {result['failed']} requests failed: {result['errors']}")
-            counts["cached_fraction"] = round(counts["cached_tokens"] / counts["prompt_tokens"], 3)
+            # Of the prompt tokens the engines prefilled, those read from cache. A preempted
+            # request prefills again (more hits, or more computed tokens): the share is of
+            # that work, not of the prompts' length.
+            work = counts["cached_tokens"] + counts["computed_tokens"]
+            counts["cached_fraction"] = round(counts["cached_tokens"] / work, 3)
             run = {
                 "cached": counts,
                 "ttft_ms": result["ttft_ms"],
