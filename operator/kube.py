@@ -40,13 +40,16 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
 OPTIONAL_KINDS: dict[tuple[str, str], str] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "the Gateway API Inference Extension",
 }
-# ... and of every kind it reads or writes: those, the LLMDeployment itself, and for the
-# autoscaler the pools' pods (read, and annotated with a deletion cost) and Events.
+# ... and of every kind it reads or writes: those, the LLMDeployment itself, for the
+# autoscaler the pools' pods (read, and annotated with a deletion cost) and Events, and the
+# Deployments' ReplicaSets (read: each revision's pods).
 KINDS: dict[tuple[str, str], str] = {
     **OWNED_KINDS,
     (API_VERSION, KIND): PLURAL,
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
+    # The Deployments' ReplicaSets, read for status.revisions.
+    ("apps/v1", "ReplicaSet"): "replicasets",
 }
 
 

@@ -24,10 +24,17 @@ from tidegate.operator.kube import (
     Kube,
     KubeError,
 )
-from tidegate.operator.labels import COMPONENT_LABEL, owned_labels
-from tidegate.operator.render import RenderOptions, render
+from tidegate.operator.labels import COMPONENT_LABEL, owned_labels, selector_labels
+from tidegate.operator.render import SPEC_HASH, RenderOptions, render
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
-from tidegate.operator.status import RoleState, compute_status, merge_patch, role_state
+from tidegate.operator.status import (
+    Revision,
+    RoleState,
+    compute_status,
+    merge_patch,
+    role_revisions,
+    role_state,
+)
 from tidegate.operator.tuning import TuningError
 
 # Status keys kopf, the autoscaler and the adapter report keep for themselves; the reconcile
@@ -108,6 +115,7 @@ async def reconcile(
         # Keep what runs: a bad edit must not take a working endpoint down.
         logger.warning(f"not applying {name}: {outcome.error[1]}")
         roles = await _live_roles(kube, namespace, name)
+        deployments = await kube.list("apps/v1", "Deployment", namespace, owned_labels(name))
         endpoint = (resource.get("status") or {}).get("endpoint", "")
     else:
         effective = rendered.tuning.to_status()
@@ -130,6 +138,13 @@ async def reconcile(
             for obj in rendered.objects
             if obj["kind"] == "Deployment"
         ]
+        deployments = [obj for obj in rendered.objects if obj["kind"] == "Deployment"]
+    try:
+        revisions = await _revisions(kube, namespace, name, deployments)
+    except KubeError as error:
+        # Only the revisions' list is missing: the rest of the status still holds.
+        logger.warning(f"cannot list the ReplicaSets of {name}: {error.message}")
+        revisions = None
     previous = {
         k: v for k, v in (resource.get("status") or {}).items() if k not in OTHERS_STATUS_KEYS
     }
@@ -141,7 +156,10 @@ async def reconcile(
         error=outcome.error,
         previous=previous,
         now=_now(),
+        revisions=revisions or (),
     )
+    if revisions is None and "revisions" in previous:
+        status["revisions"] = previous["revisions"]
     patch = merge_patch(previous, status)
     if patch:
         await kube.patch_status(API_VERSION, KIND, namespace, name, patch)
@@ -261,6 +279,23 @@ async def _delete_stale(
 def _owned_by(item: Mapping[str, Any], uid: str | None) -> bool:
     refs = item.get("metadata", {}).get("ownerReferences") or []
     return uid is not None and any(ref.get("uid") == uid for ref in refs)
+
+
+async def _revisions(
+    kube: Kube, namespace: str, name: str, deployments: list[dict[str, Any]]
+) -> list[Revision]:
+    """Every role's revisions: each Deployment's current template (its spec hash), and the
+    older ones whose pods still run, from the role's ReplicaSets."""
+    revisions: list[Revision] = []
+    for deployment in deployments:
+        role = deployment["metadata"]["labels"][COMPONENT_LABEL]
+        template = deployment["spec"]["template"]["metadata"]
+        current = (template.get("annotations") or {}).get(SPEC_HASH)
+        replica_sets = await kube.list(
+            "apps/v1", "ReplicaSet", namespace, selector_labels(name, role)
+        )
+        revisions += role_revisions(role, current, replica_sets, SPEC_HASH)
+    return revisions
 
 
 async def _live_roles(kube: Kube, namespace: str, name: str) -> list[RoleState]:

@@ -56,6 +56,65 @@ def role_state(role: str, desired: int, live: Mapping[str, Any] | None) -> RoleS
     return RoleState(role, desired, updated, ready, old, observed, stuck)
 
 
+@dataclass(frozen=True)
+class Revision:
+    """One revision of a role's pods: a pod template (by its spec hash) and its pods."""
+
+    role: str
+    revision: str
+    replicas: int
+    ready: int
+    current: bool
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "revision": self.revision,
+            "replicas": self.replicas,
+            "ready": self.ready,
+            "current": self.current,
+        }
+
+
+def role_revisions(
+    role: str, current: str | None, replica_sets: Sequence[Mapping[str, Any]], hash_key: str
+) -> list[Revision]:
+    """A role's revisions from its Deployment's ReplicaSets: the current one (the template's
+    hash `current`, even before its first pod) then those with pods left, newest first.
+
+    A ReplicaSet's template carries the Deployment's, so its `hash_key` annotation names the
+    revision; the Deployment controller keeps old ones at 0 replicas, which are left out.
+    """
+    found: dict[str, tuple[str, int, int]] = {}
+    for replica_set in replica_sets:
+        template = (replica_set.get("spec") or {}).get("template") or {}
+        revision = ((template.get("metadata") or {}).get("annotations") or {}).get(hash_key)
+        if revision is None:
+            continue
+        status = replica_set.get("status") or {}
+        replicas = status.get("replicas", 0)
+        ready = status.get("readyReplicas", 0)
+        created = (replica_set.get("metadata") or {}).get("creationTimestamp") or ""
+        before = found.get(revision)
+        if before is not None:  # two ReplicaSets of one template: count both
+            created, replicas, ready = (
+                max(created, before[0]),
+                replicas + before[1],
+                ready + before[2],
+            )
+        found[revision] = (created, replicas, ready)
+    out = []
+    if current is not None:
+        _, replicas, ready = found.pop(current, ("", 0, 0))
+        out.append(Revision(role, current, replicas, ready, True))
+    for revision, (_, replicas, ready) in sorted(
+        found.items(), key=lambda i: i[1][0], reverse=True
+    ):
+        if replicas > 0:
+            out.append(Revision(role, revision, replicas, ready, False))
+    return out
+
+
 def condition(
     kind: str,
     value: bool,
@@ -95,6 +154,7 @@ def compute_status(
     error: tuple[str, str] | None,
     previous: Mapping[str, Any],
     now: str,
+    revisions: Sequence[Revision] = (),
 ) -> dict[str, Any]:
     """The whole status (less kopf's bookkeeping); `error` is (reason, message) or None."""
     conditions_before = list(previous.get("conditions") or [])
@@ -151,6 +211,8 @@ def compute_status(
             r.role: {"desired": r.desired, "ready": r.ready, "updated": r.updated} for r in roles
         },
     }
+    if revisions:
+        status["revisions"] = [r.to_status() for r in revisions]
     if generation is not None:
         status["observedGeneration"] = generation
     if effective is not None:

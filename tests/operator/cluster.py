@@ -37,6 +37,7 @@ _RESOURCES = {
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
     "v1/services": {"kind": "Service", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True},
+    "apps/v1/replicasets": {"kind": "ReplicaSet", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "autoscaling/v2/horizontalpodautoscalers": {

@@ -20,7 +20,7 @@ from kopf.testing import KopfRunner
 from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
 from tidegate.operator.handlers import build_registry
 from tidegate.operator.kube import KINDS
-from tidegate.operator.labels import COMPONENT_LABEL
+from tidegate.operator.labels import COMPONENT_LABEL, selector_labels
 
 LLMD = "tidegate.dev/v1alpha1"
 API_VERSION_OF = {kind: api_version for api_version, kind in KINDS}
@@ -257,6 +257,62 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
     assert status(cluster, "pd")["ready"] == "4/4"
     assert set(status(cluster, "pd")["replicas"]) == {"prefill", "decode", "router"}
     assert set(status(cluster, "pd")["effective"]["roles"]) == {"prefill", "decode"}
+
+
+def replica_set(name: str, role: str, revision: str, replicas: int, created: str) -> dict:
+    """What the Deployment controller makes for one pod template of a role."""
+    labels = {**selector_labels(name, role), "pod-template-hash": revision[:10]}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {
+            "name": f"{name}-{revision[:10]}",
+            "namespace": "default",
+            "labels": labels,
+            "creationTimestamp": created,
+        },
+        "spec": {
+            "replicas": replicas,
+            "template": {"metadata": {"annotations": {"tidegate.dev/spec-hash": revision}}},
+        },
+        "status": {"replicas": replicas, "readyReplicas": replicas},
+    }
+
+
+def test_status_lists_each_revision_with_its_pods_until_the_old_ones_are_gone(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
+    cluster.create(llmd("revs", copy.deepcopy(GPU_SPEC)))
+    deployment = wait_for(lambda: get(cluster, "Deployment", "revs"), what="the Deployment")
+    current = deployment["spec"]["template"]["metadata"]["annotations"]["tidegate.dev/spec-hash"]
+    # A rollout half way: one pod of an older template still serves beside the new one.
+    cluster.create(replica_set("revs", "unified", "0ldrevision0000", 1, "2026-11-01T00:00:00Z"))
+    cluster.create(replica_set("revs", "unified", current, 1, "2026-11-02T00:00:00Z"))
+    roll_out(cluster, "revs", replicas=2, updated=1, available=2)
+    wanted = [
+        {"role": "unified", "revision": current, "replicas": 1, "ready": 1, "current": True},
+        {
+            "role": "unified",
+            "revision": "0ldrevision0000",
+            "replicas": 1,
+            "ready": 1,
+            "current": False,
+        },
+    ]
+    wait_for(lambda: status(cluster, "revs").get("revisions") == wanted, what="two revisions")
+    assert status(cluster, "revs")["phase"] == "Progressing"
+    # The old pod goes: only the current revision is left, and the resource is Ready.
+    cluster.patch("apps/v1", "ReplicaSet", "revs-0ldrevisio", {"spec": {"replicas": 0}})
+    cluster.patch(
+        "apps/v1",
+        "ReplicaSet",
+        "revs-0ldrevisio",
+        {"status": {"replicas": 0, "readyReplicas": 0}},
+        subresource="status",
+    )
+    roll_out(cluster, "revs", replicas=1, updated=1, available=1)
+    wait_for(lambda: status(cluster, "revs").get("revisions") == wanted[:1], what="one revision")
+    wait_for(lambda: status(cluster, "revs").get("phase") == "Ready", what="Ready")
 
 
 def test_spec_changes_patch_only_the_objects_they_concern(

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from tidegate.operator.status import adapter_status, compute_status, merge_patch, role_state
+from tidegate.operator.status import (
+    Revision,
+    adapter_status,
+    compute_status,
+    merge_patch,
+    role_revisions,
+    role_state,
+)
 
 NOW, LATER = "2026-11-29T10:00:00Z", "2026-11-29T11:00:00Z"
 
@@ -176,3 +183,56 @@ def test_in_p_d_an_adapter_is_as_ready_as_the_scarcer_pool() -> None:
 def test_a_pool_without_ready_pods_serves_no_adapter() -> None:
     assert adapter_status(["sql"], {"unified": []}) == [{"name": "sql", "readyReplicas": 0}]
     assert adapter_status([], {"unified": [frozenset({"sql"})]}) == []
+
+
+HASH = "tidegate.dev/spec-hash"
+
+
+def replica_set(revision: str | None, replicas: int, ready: int, created: str) -> dict[str, Any]:
+    annotations = {HASH: revision} if revision is not None else {}
+    return {
+        "metadata": {"creationTimestamp": created},
+        "spec": {"template": {"metadata": {"annotations": annotations}}},
+        "status": {"replicas": replicas, "readyReplicas": ready},
+    }
+
+
+def test_revisions_list_the_current_template_then_older_ones_with_pods_newest_first() -> None:
+    sets = [
+        replica_set("a", 0, 0, "2026-11-01T00:00:00Z"),  # history: no pod left
+        replica_set("b", 1, 1, "2026-11-02T00:00:00Z"),
+        replica_set("c", 2, 2, "2026-11-03T00:00:00Z"),
+        replica_set("d", 1, 0, "2026-11-04T00:00:00Z"),  # current, its pod still starting
+        replica_set(None, 3, 3, "2026-11-05T00:00:00Z"),  # not ours: no spec hash
+    ]
+    assert role_revisions("decode", "d", sets, HASH) == [
+        Revision("decode", "d", 1, 0, True),
+        Revision("decode", "c", 2, 2, False),
+        Revision("decode", "b", 1, 1, False),
+    ]
+
+
+def test_the_current_revision_is_listed_before_its_replica_set_exists() -> None:
+    sets = [replica_set("old", 2, 2, "2026-11-01T00:00:00Z")]
+    assert role_revisions("unified", "new", sets, HASH) == [
+        Revision("unified", "new", 0, 0, True),
+        Revision("unified", "old", 2, 2, False),
+    ]
+
+
+def test_revisions_go_into_the_status_as_listed() -> None:
+    revisions = [Revision("prefill", "p2", 1, 1, True), Revision("prefill", "p1", 1, 1, False)]
+    status = compute_status(
+        generation=3,
+        roles=[],
+        effective=None,
+        endpoint="",
+        error=None,
+        previous={},
+        now=NOW,
+        revisions=revisions,
+    )
+    assert status["revisions"] == [
+        {"role": "prefill", "revision": "p2", "replicas": 1, "ready": 1, "current": True},
+        {"role": "prefill", "revision": "p1", "replicas": 1, "ready": 1, "current": False},
+    ]

@@ -112,6 +112,10 @@ operator's code and compares.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "patch"]
+# status.revisions: each Deployment's ReplicaSets, one per pod template, with their pods.
+- apiGroups: ["apps"]
+  resources: ["replicasets"]
+  verbs: ["list"]
 # kopf posts warnings and errors about a resource, and the autoscaler its Scaled events, as
 # core/v1 Events.
 - apiGroups: [""]
