@@ -341,6 +341,22 @@ class ServerArgs(TenancyArgs):
         "request's prefill on that prefill instance, then decode here with its KV blocks "
         "(disaggregated serving through a Gateway).",
     )
+    prefill_hosts: list[str] = Field(
+        default_factory=list,
+        description="With --prefill-via-header: the prefill instances the header may name, as "
+        "host names (a headless Service's name stands for its pods' addresses, resolved again "
+        "as they change) or addresses. The prompt is never sent to another host: it is "
+        "computed here. Empty: any host the header names.",
+    )
+
+    @model_validator(mode="after")
+    def _prefill_hosts_need_the_header(self) -> ServerArgs:
+        if self.prefill_hosts and not self.prefill_via_header:
+            raise ValueError(
+                "prefill_hosts needs prefill_via_header: it limits the hosts that header may "
+                "name, and without the flag the header is ignored"
+            )
+        return self
 
 
 class RouterArgs(TenancyArgs):

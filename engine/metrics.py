@@ -45,7 +45,13 @@ FINISH_REASONS = ("stop", "length", "abort")
 # Why a prefill leg this decode server ran itself (--prefill-via-header) gave no KV to pull:
 # no connection (or it dropped), no answer in time, a 5xx, an answer without usable
 # kv_transfer_params. Each time the prompt was computed here instead.
-PREFILL_FALLBACK_REASONS = ("unreachable", "timeout", "server_error", "bad_response")
+PREFILL_FALLBACK_REASONS = (
+    "unreachable",
+    "timeout",
+    "server_error",
+    "bad_response",
+    "not_allowed",
+)
 
 
 @dataclass(frozen=True)

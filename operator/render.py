@@ -275,6 +275,10 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
             "gateway.inferencePool: the endpoint picker names a prefill pod in "
             "x-prefiller-host-port, and this pod has it prefill the prompt"
         )
+        # The headless Service's name stands for its ready pods: no other host is sent a
+        # prompt, whatever a client that reaches this pod directly puts in the header.
+        values["prefill_hosts"] = [f"{ctx.name}-prefill.{ctx.namespace}.svc"]
+        reasons["prefill_hosts"] = "only this resource's prefill pods may be named"
     if spec.adapters is not None:
         # Every role alike: in P/D a request's prefill and decode legs both need its adapter.
         values["enable_lora"] = True

@@ -8,6 +8,8 @@ these local substitutions only:
   `operator/up_adapters.py`);
 - each process listens on 127.0.0.1 and a free port; KV transfer ports are picked free too,
   and so is the router's endpoint picker port (gateway.inferencePool);
+- decode pods behind an InferencePool may name prefill pods at 127.0.0.1
+  (`--prefill-hosts`), where in a cluster only the prefill Service's pods are allowed;
 - each engine publishes its KV-cache events on a free port (`--kv-events-port 0`, which its
   /metrics names for the router), where in a cluster each pod has its own address and all
   use one port; the router reads the tokenizer from the local model folder;
@@ -298,6 +300,9 @@ def _assign_ports_and_flags(
         pod.command += ["--model", str(model_dir)]
         if pod.role in ("prefill", "decode"):
             pod.command += ["--kv-host", "127.0.0.1", "--kv-port", "0"]
+        if pod.role == "decode" and rendered.spec.gateway.inference_pool:
+            # The prefill pods are processes here: the picker names them at 127.0.0.1.
+            pod.command += ["--prefill-hosts", "127.0.0.1"]
         if rendered.kv_events:
             pod.command += ["--kv-events-port", "0"]
         tuning = rendered.tuning.roles[pod.role]

@@ -111,6 +111,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         tool_call_parser=server_args.tool_call_parser,
         prefill_via_header=server_args.prefill_via_header,
         on_prefill_fallback=metrics.record_prefill_header_fallback,
+        prefill_hosts=server_args.prefill_hosts,
     )
     config = uvicorn.Config(
         app,

@@ -182,6 +182,9 @@ def test_engines_publish_kv_events_speak_vllm_metrics_and_decode_prefills_via_he
         # The extension's pickers read vLLM's metric names.
         assert server.metrics_compat == "vllm"
         assert server.prefill_via_header is (role == "decode")
+        # Only this resource's prefill pods (its headless Service's) may be named.
+        wanted = ["llm-prefill.ml.svc"] if role == "decode" else []
+        assert server.prefill_hosts == wanted
 
 
 def test_the_router_serves_the_picker_and_follows_the_kv_events(tmp_path: Path) -> None:
@@ -403,6 +406,13 @@ def test_up_runs_the_picker_and_each_engines_events_on_free_ports(tmp_path: Path
     # The command line overrides the files' pod values (the port all pods share, /model).
     assert yaml.safe_load((tmp_path / "config" / "unified.yaml").read_text())["kv-events-port"]
     assert yaml.safe_load((tmp_path / "config" / "router.yaml").read_text())["tokenizer"]
+
+
+def test_up_lets_decode_pods_name_the_local_prefill_processes(tmp_path: Path) -> None:
+    pods = plan_pods(resource(SPLIT_POOL), Path("/m"), 9000, tmp_path)
+    (decode,) = [p for p in pods if p.role == "decode"]
+    assert decode.command[decode.command.index("--prefill-hosts") + 1] == "127.0.0.1"
+    assert all("--prefill-hosts" not in p.command for p in pods if p.role != "decode")
 
 
 def test_the_example_renders_a_pool_of_two_unified_pods_and_two_pickers() -> None:

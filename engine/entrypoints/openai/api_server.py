@@ -21,7 +21,10 @@ from tidegate.engine.entrypoints.openai.openapi import (
     generation_responses,
 )
 from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
-from tidegate.engine.entrypoints.openai.prefill_via_header import PrefillViaHeader
+from tidegate.engine.entrypoints.openai.prefill_via_header import (
+    AllowedHosts,
+    PrefillViaHeader,
+)
 from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -73,17 +76,19 @@ def build_app(
     tool_call_parser: str | None = None,
     prefill_via_header: bool = False,
     on_prefill_fallback: Callable[[str], None] | None = None,
+    prefill_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
-    With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
-    With `drain`, it counts requests in flight for it and refuses new ones once it starts.
-    With `loras`, a request's `model` may name one of its adapters; with
-    `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
-    With `tool_call_parser`, chat requests with tools may leave tool_choice "auto".
-    With `prefill_via_header` (a consumer only), a request whose x-prefiller-host-port header
-    names a prefill instance has its prompt computed there first; `on_prefill_fallback` counts
-    the legs that failed, by reason. Its HTTP client lives in the app's lifespan.
+        With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
+        With `drain`, it counts requests in flight for it and refuses new ones once it starts.
+        With `loras`, a request's `model` may name one of its adapters; with
+        `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
+        With `tool_call_parser`, chat requests with tools may leave tool_choice "auto".
+        With `prefill_via_header` (a consumer only), a request whose x-prefiller-host-port header
+        names a prefill instance has its prompt computed there first; `on_prefill_fallback` counts
+        the legs that failed, by reason; `prefill_hosts` (names or addresses) limits the instances
+    the header may name. Its HTTP client lives in the app's lifespan.
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -96,7 +101,12 @@ def build_app(
             "prefill_via_header needs a consumer (kv_role consumer): only a decode instance "
             f"pulls KV from a prefill instance; this engine has kv_role {engine.kv_role}"
         )
-    prefill = PrefillViaHeader(prefill_via_header, cache_salt_header, on_prefill_fallback)
+    prefill = PrefillViaHeader(
+        prefill_via_header,
+        cache_salt_header,
+        on_prefill_fallback,
+        allowed=AllowedHosts(prefill_hosts or []),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

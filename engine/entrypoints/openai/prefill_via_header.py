@@ -10,12 +10,15 @@ prompt is computed here, as when a KV pull fails.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -86,6 +89,71 @@ def _is_ip(kind: type[ipaddress.IPv4Address | ipaddress.IPv6Address], text: str)
     return True
 
 
+class AllowedHosts:
+    """The prefill hosts a header may name (--prefill-hosts): addresses, or names that stand
+    for every address they resolve to (a headless Service: one per ready pod).
+
+    Names are resolved again every REFRESH_S, and at once (at most every MIN_REFRESH_S) when a
+    header names an address not known yet: a prefill pod that just became ready is found
+    before the next period. None allowed by the list: any host.
+    """
+
+    REFRESH_S = 5.0
+    MIN_REFRESH_S = 1.0
+
+    def __init__(
+        self,
+        hosts: list[str],
+        resolve: Callable[[str], Awaitable[set[str]]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.literal = {_bare(h) for h in hosts}
+        self.names = [h for h in hosts if not _is_address(_bare(h))]
+        self.resolve = resolve or _resolve
+        self.clock = clock
+        self.resolved: set[str] = set()
+        self.resolved_at: float | None = None
+
+    async def allows(self, host: str) -> bool:
+        if not self.literal:
+            return True
+        host = _bare(host)
+        if host in self.literal:
+            return True
+        if not self.names:
+            return False
+        now = self.clock()
+        age = None if self.resolved_at is None else now - self.resolved_at
+        stale = age is None or age >= self.REFRESH_S
+        unknown = host not in self.resolved and (age is None or age >= self.MIN_REFRESH_S)
+        if stale or unknown:
+            await self._refresh(now)
+        return host in self.resolved
+
+    async def _refresh(self, now: float) -> None:
+        found: set[str] = set()
+        for name in self.names:
+            try:
+                found |= await self.resolve(name)
+            except OSError as error:
+                logger.warning("cannot resolve prefill host %s: %s", name, error)
+        self.resolved, self.resolved_at = found, now
+
+
+def _bare(host: str) -> str:
+    return host.strip().strip("[]").lower()
+
+
+def _is_address(host: str) -> bool:
+    return _is_ip(ipaddress.IPv4Address, host) or _is_ip(ipaddress.IPv6Address, host)
+
+
+async def _resolve(name: str) -> set[str]:
+    """Every address `name` resolves to (all of a headless Service's ready pods)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    return {str(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in infos}
+
+
 class PrefillLegFailedError(Exception):
     """The prefill leg gave no KV to pull; `reason` is one of PREFILL_FALLBACK_REASONS."""
 
@@ -107,8 +175,11 @@ class PrefillViaHeader:
         cache_salt_header: str | None = None,
         on_fallback: Callable[[str], None] | None = None,
         timeout: httpx.Timeout | None = None,
+        allowed: AllowedHosts | None = None,
     ) -> None:
         self.enabled = enabled
+        self.allowed = allowed or AllowedHosts([])
+        self._refused_hosts: set[str] = set()
         self.cache_salt_header = cache_salt_header
         self.on_fallback = on_fallback
         self.timeout = timeout or PREFILL_TIMEOUT
@@ -166,6 +237,19 @@ class PrefillViaHeader:
             return None  # a router ran the prefill leg already
         raw = dict(await request.json())  # the body as the client sent it (FastAPI kept it)
         if not needs_prefill(path, raw):
+            return None
+        host = address.rsplit(":", 1)[0]
+        if not await self.allowed.allows(host):
+            # Not a prefill instance of ours: the prompt (and the client's key) stay here.
+            if host not in self._refused_hosts and len(self._refused_hosts) < 100:
+                self._refused_hosts.add(host)
+                logger.warning(
+                    "the %s header names %s, not one of --prefill-hosts; computing the prompt here",
+                    PREFILLER_HEADER,
+                    address,
+                )
+            if self.on_fallback is not None:
+                self.on_fallback("not_allowed")
             return None
         if self.cache_salt_header is not None:
             # The tenant's salt, as the router sends it: the prefill's blocks must be the

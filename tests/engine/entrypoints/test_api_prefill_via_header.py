@@ -480,3 +480,66 @@ def test_the_fallback_counter_exists_only_with_the_flag(consumer, tiny_llama_dir
     assert fallbacks(plain) == {}
     _, enabled = decode_app(consumer, tiny_llama_dir)
     assert fallbacks(enabled) == dict.fromkeys(PREFILL_FALLBACK_REASONS, 0.0)
+
+
+# --- --prefill-hosts -------------------------------------------------------------------------
+
+
+def test_a_host_outside_prefill_hosts_is_never_sent_the_prompt(
+    consumer, tiny_llama_dir, fake_prefill
+):
+    prefill, address = fake_prefill
+    # The listed instance is elsewhere: the header's (a real, answering server) is not it.
+    app, metrics = decode_app(consumer, tiny_llama_dir, prefill_hosts=["10.0.0.7"])
+    headers = {PREFILLER_HEADER: address, "authorization": "Bearer client-key"}
+    response = post(app, COMPLETIONS_PATH, COMPLETION, headers)
+
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == scripted(consumer)
+    assert prefill.received == []  # neither the prompt nor the key left this server
+    assert consumer.submitted[0].kv_transfer_params is None  # computed here
+    assert fallbacks(metrics)["not_allowed"] == 1.0
+
+
+def test_a_listed_name_allows_every_address_it_resolves_to(consumer, tiny_llama_dir, fake_prefill):
+    prefill, address = fake_prefill
+    # "localhost" stands for a headless Service: its addresses are the pods'.
+    app, metrics = decode_app(consumer, tiny_llama_dir, prefill_hosts=["localhost"])
+    response = post(app, COMPLETIONS_PATH, COMPLETION, {PREFILLER_HEADER: address})
+
+    assert response.status_code == 200
+    assert len(prefill.received) == 1
+    assert consumer.submitted[0].kv_transfer_params is not None
+    assert set(fallbacks(metrics).values()) == {0.0}
+
+
+def test_allowed_hosts_resolve_again_for_an_address_not_known_yet() -> None:
+    answers = [{"10.0.0.1"}, {"10.0.0.1", "10.0.0.2"}]
+    calls: list[str] = []
+    now = [100.0]
+
+    async def resolve(name: str) -> set[str]:
+        calls.append(name)
+        return answers[min(len(calls), len(answers)) - 1]
+
+    allowed = prefill_via_header.AllowedHosts(
+        ["prefill.ns.svc", "[fd00::5]"], resolve=resolve, clock=lambda: now[0]
+    )
+
+    async def story() -> list[bool]:
+        seen = [await allowed.allows("10.0.0.1"), await allowed.allows("fd00::5")]
+        # A pod that just became ready: unknown, and the last lookup is too recent.
+        seen.append(await allowed.allows("10.0.0.2"))
+        now[0] += 1.0  # past MIN_REFRESH_S: an unknown address looks again
+        seen.append(await allowed.allows("10.0.0.2"))
+        seen.append(await allowed.allows("10.9.9.9"))  # not again within the second
+        return seen
+
+    assert asyncio.run(story()) == [True, True, False, True, False]
+    assert calls == ["prefill.ns.svc", "prefill.ns.svc"]
+
+
+def test_prefill_hosts_need_the_header_flag() -> None:
+    with pytest.raises(ValueError, match="prefill_hosts needs prefill_via_header"):
+        ServerArgs(prefill_hosts=["prefill.ns.svc"])
+    ServerArgs(prefill_via_header=True, prefill_hosts=["prefill.ns.svc"])
