@@ -189,7 +189,7 @@ class Picker:
     def pool(self) -> InstancePool:
         return self.proxy.pools[POOL]
 
-    def pick(
+    async def pick(
         self,
         path: str,
         body: dict[str, Any] | None,
@@ -204,7 +204,7 @@ class Picker:
             # As for HTTP requests (router/app.py): the engines derive the same salt from the
             # same header, so the blocks the route looks for are the ones they will hold.
             body["cache_salt"] = tenant_cache_salt(headers, self.cache_salt_header)
-        route = self.proxy.route(path, body, request_id)
+        route = await self.proxy.route(path, body, request_id)
         only = None
         if subset is not None:
             only = {i.url for i in self.pool if _in_subset(i.url, subset)}
@@ -296,7 +296,9 @@ class Exchange:
         assert self.headers is not None
         return (self.headers.get(":path") or "/").split("?", 1)[0]
 
-    def handle(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
+    async def handle(
+        self, message: ext_proc.ProcessingRequest
+    ) -> list[ext_proc.ProcessingResponse]:
         if message.HasField("protocol_config"):
             config = message.protocol_config
             self.request_mode = config.request_body_mode
@@ -307,11 +309,11 @@ class Exchange:
             )
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            return self._request_headers(message)
+            return await self._request_headers(message)
         if kind == "request_body":
-            return self._request_body(message)
+            return await self._request_body(message)
         if kind == "request_trailers":
-            return self._request_trailers()
+            return await self._request_trailers()
         if kind == "response_headers":
             return self._response_headers(message)
         if kind == "response_body":
@@ -336,7 +338,7 @@ class Exchange:
     def _echoes_response(self) -> bool:
         return self.response_mode not in (NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL)
 
-    def _request_headers(
+    async def _request_headers(
         self, message: ext_proc.ProcessingRequest
     ) -> list[ext_proc.ProcessingResponse]:
         if self.headers is not None:
@@ -345,7 +347,7 @@ class Exchange:
         self.request_id = self.headers.get("x-request-id") or uuid.uuid4().hex
         self._read_subset(message)
         if message.request_headers.end_of_stream or self.request_mode == NONE:
-            return [self._routing_answer(None, headers_response)]
+            return [await self._routing_answer(None, headers_response)]
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
             return [headers_response(request_phase=True)]
         if not self.body_without_waiting:
@@ -355,11 +357,11 @@ class Exchange:
                 "(STREAMED without send_body_without_waiting_for_header_response): requests are "
                 "routed without their prompt; use FULL_DUPLEX_STREAMED or BUFFERED",
             )
-            return [self._routing_answer(None, headers_response)]
+            return [await self._routing_answer(None, headers_response)]
         self.waiting_for_body = True
         return []
 
-    def _request_body(
+    async def _request_body(
         self, message: ext_proc.ProcessingRequest
     ) -> list[ext_proc.ProcessingResponse]:
         if self.headers is None:
@@ -370,7 +372,7 @@ class Exchange:
             if self.routed:
                 raise ProtocolViolation("a second request body in a buffered mode")
             whole = self.request_mode == BUFFERED or chunk.end_of_stream
-            return [self._routing_answer(chunk.body if whole else None, body_response)]
+            return [await self._routing_answer(chunk.body if whole else None, body_response)]
         if not self.waiting_for_body:
             if self.routed and self.request_mode == STREAMED:
                 return [body_response(request_phase=True)]  # routed at the headers
@@ -381,23 +383,23 @@ class Exchange:
             self.waiting_for_body = False
             self.body = bytearray()
             return [self._refuse(errors.body_too_large(MAX_BODY_BYTES))]
-        return self._answer_body(end_of_stream=True) if chunk.end_of_stream else []
+        return await self._answer_body(end_of_stream=True) if chunk.end_of_stream else []
 
-    def _request_trailers(self) -> list[ext_proc.ProcessingResponse]:
+    async def _request_trailers(self) -> list[ext_proc.ProcessingResponse]:
         if self.headers is None:
             raise ProtocolViolation("request trailers before the request headers")
         # Trailers end a body that had no end_of_stream of its own.
-        answers = self._answer_body(end_of_stream=False) if self.waiting_for_body else []
+        answers = await self._answer_body(end_of_stream=False) if self.waiting_for_body else []
         if self.finished:
             return answers
         return [*answers, trailers_response(request_phase=True)]
 
-    def _answer_body(self, end_of_stream: bool) -> list[ext_proc.ProcessingResponse]:
+    async def _answer_body(self, end_of_stream: bool) -> list[ext_proc.ProcessingResponse]:
         """The whole body is here: the deferred headers' answer, then the body's."""
         self.waiting_for_body = False
         body = bytes(self.body)
         self.body = bytearray()
-        routing = self._routing_answer(body, headers_response)
+        routing = await self._routing_answer(body, headers_response)
         if self.finished:
             return [routing]
         if self._echoes_request:
@@ -411,7 +413,7 @@ class Exchange:
         logger.debug("endpoint picker refuses %s: %s", self.path, error.message)
         return immediate_response(error, f"tidegate_epp_{self.outcome}")
 
-    def _routing_answer(self, raw: bytes | None, kind: Answer) -> ext_proc.ProcessingResponse:
+    async def _routing_answer(self, raw: bytes | None, kind: Answer) -> ext_proc.ProcessingResponse:
         """The answer (headers or body, `kind`) that routes the request; or its refusal.
 
         `raw` is the whole request body; None routes without one.
@@ -419,7 +421,9 @@ class Exchange:
         assert self.headers is not None
         try:
             body = _parse(raw) if raw is not None else None
-            pick = self.picker.pick(self.path, body, self.request_id, self.headers, self.subset)
+            pick = await self.picker.pick(
+                self.path, body, self.request_id, self.headers, self.subset
+            )
         except OpenAIError as error:
             return self._refuse(error)
         self.routed = True
@@ -518,7 +522,7 @@ class _ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 if message is grpc.aio.EOF:
                     return
                 try:
-                    answers = exchange.handle(message)
+                    answers = await exchange.handle(message)
                 except ProtocolViolation as error:
                     logger.warning("endpoint picker closes an ext_proc stream: %s", error)
                     failure = (grpc.StatusCode.INVALID_ARGUMENT, str(error))

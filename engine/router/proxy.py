@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -58,9 +59,16 @@ class Proxy:
             return {"prefill": self.pools["prefill"], "decode": self.pools["decode"]}
         return {"unified": self.pools["decode"]}
 
-    def route(self, path: str, body: Mapping[str, Any], request_id: str) -> Route:
-        """What picking an instance for this body needs (router/routing.py)."""
-        return request_route(path, body, request_id, self.tokenizer)
+    async def route(self, path: str, body: Mapping[str, Any], request_id: str) -> Route:
+        """What picking an instance for this body needs (router/routing.py).
+
+        With a tokenizer, on a worker thread: a long chat takes tens of milliseconds to
+        render and tokenize (about 0.1 s for 65,000 tokens), which on the event loop would
+        hold up every stream the router relays.
+        """
+        if self.tokenizer is None:
+            return request_route(path, body, request_id)
+        return await asyncio.to_thread(request_route, path, body, request_id, self.tokenizer)
 
     def needs_prefill(self, path: str, body: Mapping[str, Any]) -> bool:
         """Whether this request takes a prefill leg first (disaggregated, and its shape fits)."""
@@ -72,7 +80,7 @@ class Proxy:
         """Serve a (chat) completion: prefill leg when it applies, then the decode leg."""
         # Both legs prefer instances that hold the prompt's blocks, and those that serve the
         # adapter the model field may name.
-        route = self.route(path, body, headers["x-request-id"])
+        route = await self.route(path, body, headers["x-request-id"])
         deadline = self.holding.deadline()
         if not self.needs_prefill(path, body):
             if self.disaggregated:

@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 
+from tidegate.engine.config import RouterArgs
 from tidegate.engine.core.block_hash import append_block_hashes
 from tidegate.engine.kv_events import KVEventPublisher
 from tidegate.engine.messages import BlockRemoved, BlockStored
@@ -13,6 +14,7 @@ from tidegate.engine.router.block_index import BlockIndex
 from tidegate.engine.router.exposition import parse_exposition
 from tidegate.engine.router.health import kv_events_port
 from tidegate.engine.router.instances import InstancePool
+from tidegate.engine.router.proxy import Proxy
 from tidegate.engine.router.routing import Route
 from tidegate.engine.router.selection import LOAD_COST_TOKENS, Selector, rendezvous_order
 
@@ -125,3 +127,40 @@ def test_two_routers_fed_the_same_events_make_the_same_choices():
                 publisher.close()
 
     asyncio.run(scenario())
+
+
+def test_tokenizing_a_prompt_never_holds_up_the_event_loop(tiny_llama_dir) -> None:
+    """The router relays every stream on one loop: a long chat's template and tokenizer run
+    on a worker thread, while the loop keeps its pace."""
+    proxy = Proxy(RouterArgs(decode=["http://x:1"], tokenizer=str(tiny_llama_dir)), client=None)  # type: ignore[arg-type]
+    assert proxy.tokenizer is not None
+    slow = proxy.tokenizer.token_ids
+
+    def token_ids(path, body):  # as a 100,000-token chat would take
+        time.sleep(0.3)
+        return slow(path, body)
+
+    proxy.tokenizer.token_ids = token_ids  # type: ignore[method-assign]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+    async def story() -> tuple[Route, float]:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        route = await proxy.route("/v1/chat/completions", body, "r1")
+        done.set()
+        await ticker
+        return route, max(gaps)
+
+    route, longest = asyncio.run(story())
+    assert route.token_ids and route.num_tokens > 3
+    assert longest < 0.15  # the loop ran all along (0.3 s on the loop would show here)

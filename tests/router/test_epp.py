@@ -7,6 +7,7 @@ failure modes of a gateway whose picker is down.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -363,6 +364,11 @@ def exchange(**flags: Any) -> Exchange:
     return Exchange(Picker(args, proxy))
 
 
+def handle(epp: Exchange, message: Any) -> list:
+    """One message through the exchange, as the stream's loop passes it."""
+    return asyncio.run(epp.handle(message))
+
+
 def headers_message(mode: int, without_waiting: bool = False, **headers: str) -> Any:
     found = {":method": "POST", ":path": "/v1/completions", **headers}
     return ext_proc.ProcessingRequest(
@@ -382,18 +388,18 @@ def kinds(answers: list) -> list[str]:
 def test_full_duplex_answers_the_headers_once_the_body_ends_then_echoes_it():
     epp = exchange()
     raw = json.dumps(COMPLETION).encode()
-    assert epp.handle(headers_message(FULL_DUPLEX_STREAMED)) == []
-    assert epp.handle(body_message(raw[:10], end_of_stream=False)) == []
-    answers = epp.handle(body_message(raw[10:], end_of_stream=True))
+    assert handle(epp, headers_message(FULL_DUPLEX_STREAMED)) == []
+    assert handle(epp, body_message(raw[:10], end_of_stream=False)) == []
+    answers = handle(epp, body_message(raw[10:], end_of_stream=True))
     assert kinds(answers) == ["request_headers", "request_body"]
     streamed = answers[1].request_body.response.body_mutation.streamed_response
     assert (streamed.body, streamed.end_of_stream) == (raw, True)
     assert answers[0].request_headers.response.clear_route_cache
     assert epp.lease is not None and epp.lease.instance.in_flight == 1
     # The response: headers unchanged, every chunk echoed, the count given back at its end.
-    answers = epp.handle(ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders()))
+    answers = handle(epp, ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders()))
     assert kinds(answers) == ["response_headers"]
-    answers = epp.handle(body_message(b"data", end_of_stream=True, request=False))
+    answers = handle(epp, body_message(b"data", end_of_stream=True, request=False))
     assert answers[0].response_body.response.body_mutation.streamed_response.body == b"data"
     assert epp.lease.instance.in_flight == 0
 
@@ -401,9 +407,9 @@ def test_full_duplex_answers_the_headers_once_the_body_ends_then_echoes_it():
 def test_a_body_past_the_limit_is_a_413_and_is_not_kept(monkeypatch):
     monkeypatch.setattr(epp_module, "MAX_BODY_BYTES", 1000)
     epp = exchange()
-    assert epp.handle(headers_message(FULL_DUPLEX_STREAMED)) == []
-    assert epp.handle(body_message(b"x" * 600, end_of_stream=False)) == []
-    (answer,) = epp.handle(body_message(b"x" * 600, end_of_stream=False))
+    assert handle(epp, headers_message(FULL_DUPLEX_STREAMED)) == []
+    assert handle(epp, body_message(b"x" * 600, end_of_stream=False)) == []
+    (answer,) = handle(epp, body_message(b"x" * 600, end_of_stream=False))
     assert answer.immediate_response.status.code == 413
     error = json.loads(answer.immediate_response.body)["error"]
     assert error["type"] == "invalid_request_error" and "1,000 bytes" in error["message"]
@@ -412,10 +418,10 @@ def test_a_body_past_the_limit_is_a_413_and_is_not_kept(monkeypatch):
 
 def test_trailers_end_a_body_that_had_no_end_of_stream():
     epp = exchange()
-    epp.handle(headers_message(FULL_DUPLEX_STREAMED))
-    epp.handle(body_message(json.dumps(COMPLETION).encode(), end_of_stream=False))
+    handle(epp, headers_message(FULL_DUPLEX_STREAMED))
+    handle(epp, body_message(json.dumps(COMPLETION).encode(), end_of_stream=False))
     trailers = ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers())
-    answers = epp.handle(trailers)
+    answers = handle(epp, trailers)
     assert kinds(answers) == ["request_headers", "request_body", "request_trailers"]
     # The trailers follow: the echoed body does not end the stream.
     assert not answers[1].request_body.response.body_mutation.streamed_response.end_of_stream
@@ -424,26 +430,26 @@ def test_trailers_end_a_body_that_had_no_end_of_stream():
 def test_streamed_with_body_first_answers_each_chunk_after_the_routing():
     epp = exchange()
     raw = json.dumps(COMPLETION).encode()
-    assert epp.handle(headers_message(STREAMED, without_waiting=True)) == []
-    assert epp.handle(body_message(raw[:5], end_of_stream=False)) == []
-    answers = epp.handle(body_message(raw[5:], end_of_stream=True))
+    assert handle(epp, headers_message(STREAMED, without_waiting=True)) == []
+    assert handle(epp, body_message(raw[:5], end_of_stream=False)) == []
+    answers = handle(epp, body_message(raw[5:], end_of_stream=True))
     assert kinds(answers) == ["request_headers", "request_body", "request_body"]
     assert not answers[1].request_body.response.HasField("body_mutation")
 
 
 def test_streamed_waiting_for_the_headers_answer_routes_without_the_body():
     epp = exchange()
-    answers = epp.handle(headers_message(STREAMED, without_waiting=False))
+    answers = handle(epp, headers_message(STREAMED, without_waiting=False))
     assert kinds(answers) == ["request_headers"]
     assert answers[0].request_headers.response.header_mutation.set_headers
-    answers = epp.handle(body_message(b"{not json", end_of_stream=True))
+    answers = handle(epp, body_message(b"{not json", end_of_stream=True))
     assert kinds(answers) == ["request_body"]
 
 
 def test_a_buffered_partial_body_cut_short_is_routed_without_it():
     epp = exchange()
-    assert kinds(epp.handle(headers_message(BUFFERED_PARTIAL))) == ["request_headers"]
-    answers = epp.handle(body_message(b'{"prompt": "cut he', end_of_stream=False))
+    assert kinds(handle(epp, headers_message(BUFFERED_PARTIAL))) == ["request_headers"]
+    answers = handle(epp, body_message(b'{"prompt": "cut he', end_of_stream=False))
     assert kinds(answers) == ["request_body"]
     assert answers[0].request_body.response.header_mutation.set_headers
     assert answers[0].dynamic_metadata.fields["envoy.lb"]
@@ -455,13 +461,13 @@ def test_the_tenant_header_salts_the_route_as_for_http(monkeypatch):
     routed = proxy.route
     seen: list[dict] = []
 
-    def route(path: str, body: dict, request_id: str) -> Any:
+    async def route(path: str, body: dict, request_id: str) -> Any:
         seen.append(body)
-        return routed(path, body, request_id)
+        return await routed(path, body, request_id)
 
     monkeypatch.setattr(proxy, "route", route)
-    epp.handle(headers_message(FULL_DUPLEX_STREAMED, **{"x-tenant-id": "acme"}))
-    epp.handle(body_message(json.dumps({**COMPLETION, "cache_salt": "globex"}).encode(), True))
+    handle(epp, headers_message(FULL_DUPLEX_STREAMED, **{"x-tenant-id": "acme"}))
+    handle(epp, body_message(json.dumps({**COMPLETION, "cache_salt": "globex"}).encode(), True))
     # The header's tenant, never the body's: the engines derive the salt the same way.
     assert [body["cache_salt"] for body in seen] == ["acme"]
 
@@ -479,4 +485,4 @@ def test_protocol_violations_are_named(messages):
     epp = exchange()
     with pytest.raises(ProtocolViolation):
         for message in messages:
-            epp.handle(message)
+            handle(epp, message)
