@@ -49,6 +49,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         time.sleep(1.0)  # health rounds read each instance's events port and subscribe
         yield {"engines": engines, "router": router, "model": tiny_llama_dir}
     finally:
+        # And any engine a test put in the list in place of one it stopped (a restart).
+        started += [e for e in engines if e not in started]
         for server in reversed(started):
             server.stop()
 
