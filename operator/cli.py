@@ -23,18 +23,36 @@ def _plan(ns: argparse.Namespace) -> int:
     from tidegate.operator.manifest import load_llm_deployments
     from tidegate.operator.plan import plan, write_table, write_yaml
     from tidegate.operator.render import RenderOptions
+    from tidegate.operator.rollout import role_changes
     from tidegate.operator.spec import SpecError
 
-    try:
-        resources = load_llm_deployments(ns.file)
+    options = RenderOptions(default_image=ns.engine_image)
+
+    def load(path: str) -> list[dict[str, Any]]:
+        resources = load_llm_deployments(path)
         for resource in resources:
             if ns.namespace:
                 resource["metadata"]["namespace"] = ns.namespace
-        plans = plan(resources, RenderOptions(default_image=ns.engine_image))
+        return resources
+
+    try:
+        resources = load(ns.file)
+        plans = plan(resources, options)
+        changes = None
+        if ns.from_file:
+            before = {r["metadata"]["name"]: r for r in load(ns.from_file)}
+            changes = {
+                resource["metadata"]["name"]: role_changes(plan([old], options)[0], rendered)
+                for resource, rendered in zip(resources, plans, strict=True)
+                if (old := before.get(resource["metadata"]["name"])) is not None
+            }
     except SpecError as error:
         print(f"tidegate plan: {error}", file=sys.stderr)
         return 1
-    (write_yaml if ns.output == "yaml" else write_table)(resources, plans, sys.stdout)
+    if ns.output == "yaml":
+        write_yaml(resources, plans, sys.stdout)
+    else:
+        write_table(resources, plans, sys.stdout, changes)
     return 0
 
 
@@ -76,6 +94,11 @@ def add_plan(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> 
     parser.add_argument("-n", "--namespace", help="namespace to render into (default: the file's)")
     parser.add_argument(
         "--engine-image", default=DEFAULT_ENGINE_IMAGE, help="when spec.image is unset"
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_file",
+        help="the manifest as it runs now: also show which pods the change restarts, and why",
     )
     parser.set_defaults(handler=_plan)
 

@@ -1,4 +1,8 @@
-"""`tidegate plan -f FILE`: what the operator would create for a manifest, and why; no cluster."""
+"""`tidegate plan -f FILE`: what the operator would create for a manifest, and why; no cluster.
+
+With `--from OLD` (the manifest as it is now), also what the change rolls: each role's pods
+that restart, and the flags or pod parts that make them (operator/rollout.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import yaml
 
 from tidegate.operator.autoscaler import DEFAULT_START_TIME_S, pool_targets, starting_replicas
 from tidegate.operator.render import ADAPTERS_KEY, Rendered, RenderOptions, lora_limits, render
+from tidegate.operator.rollout import RoleChange
 from tidegate.operator.spec import AutoscalingPolicy, LLMDeploymentSpec, ModelSource
 
 
@@ -44,8 +49,14 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
             out.write(yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=100))
 
 
-def write_table(resources: list[dict[str, Any]], plans: list[Rendered], out: TextIO) -> None:
-    """The objects, and the tuned engine flags with the reason for each."""
+def write_table(
+    resources: list[dict[str, Any]],
+    plans: list[Rendered],
+    out: TextIO,
+    changes: dict[str, list[RoleChange]] | None = None,
+) -> None:
+    """The objects, and the tuned engine flags with the reason for each; with `changes` (by
+    resource name), what the change from the old manifest rolls."""
     for resource, rendered in zip(resources, plans, strict=True):
         meta = resource["metadata"]
         out.write(f"{meta['name']} ({meta.get('namespace') or 'default'}): {rendered.endpoint}\n\n")
@@ -60,6 +71,16 @@ def write_table(resources: list[dict[str, Any]], plans: list[Rendered], out: Tex
         rows = [(role, *row) for role, row in _scaling_rows(rendered.spec)]
         out.write(_table(("ROLE", "SCALING", "VALUE", "REASON"), rows))
         out.write("\n")
+        if changes is not None:
+            out.write(_changes_section(changes.get(meta["name"])))
+            out.write("\n")
+
+
+def _changes_section(changes: list[RoleChange] | None) -> str:
+    if changes is None:
+        return "change: new in this manifest, nothing runs yet\n"
+    rows = [(c.role, c.deployment, c.describe()) for c in changes]
+    return _table(("ROLE", "DEPLOYMENT", "WHAT THE CHANGE DOES"), rows)
 
 
 def _tuning_rows(rendered: Rendered) -> list[tuple[str, ...]]:
