@@ -63,23 +63,37 @@ def replay_topic_of(subscription: bytes) -> bytes | None:
 
 
 @dataclass
-class _Mirror:
-    """What one engine core's prefix cache holds, as its events said."""
+class CoreCache:
+    """What one engine core's prefix cache holds, as its events tell it.
+
+    The publisher keeps one per core to answer replays; a router keeps one per core of every
+    instance it follows (router/block_index.py). Both apply the same events the same way.
+    """
 
     block_size: int = 0
-    hashes: dict[bytes, None] = field(default_factory=dict)  # insertion order: replay order
+    hashes: set[bytes] = field(default_factory=set)
+    # The adapters blocks were stored under, name -> digest.
     loras: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_held(cls, held: HeldBlocks) -> CoreCache:
+        return cls(held.block_size, set(held.block_hashes), dict(held.loras))
+
+    def held(self) -> HeldBlocks:
+        return HeldBlocks(self.block_size, list(self.hashes), dict(self.loras))
 
     def apply(self, events: list[CacheEvent]) -> None:
         for event in events:
             if isinstance(event, BlockStored):
-                self.block_size = event.block_size
-                self.hashes.update(dict.fromkeys(event.block_hashes))
+                if event.block_size != self.block_size:
+                    # Hashes of another block size: none of the held ones can match anymore.
+                    self.hashes.clear()
+                    self.block_size = event.block_size
+                self.hashes.update(event.block_hashes)
                 if event.lora_name is not None and event.lora_digest is not None:
                     self.loras[event.lora_name] = event.lora_digest
             elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    self.hashes.pop(block_hash, None)
+                self.hashes.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.hashes.clear()
 
@@ -104,7 +118,7 @@ class KVEventPublisher:
         endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(endpoint.rsplit(":", 1)[1])
         self._queue: queue.SimpleQueue[tuple[int, list[CacheEvent]] | object] = queue.SimpleQueue()
-        self._mirrors: dict[int, _Mirror] = {}
+        self._mirrors: dict[int, CoreCache] = {}
         self._seq = 0
         self._last_sent = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -144,7 +158,7 @@ class KVEventPublisher:
             self._socket.close(linger=0)
 
     def _send_live(self, encoder: msgspec.msgpack.Encoder, pool: int, events: list) -> None:
-        self._mirrors.setdefault(pool, _Mirror()).apply(events)
+        self._mirrors.setdefault(pool, CoreCache()).apply(events)
         self._seq += 1
         message = KVEventsMessage(epoch=self.epoch, seq=self._seq, pool=pool, events=events)
         self._socket.send_multipart([LIVE_TOPIC, encoder.encode(message)], copy=False)
@@ -169,9 +183,6 @@ class KVEventPublisher:
             snapshot = KVEventsSnapshot(
                 epoch=self.epoch,
                 seq=self._seq,
-                pools={
-                    index: HeldBlocks(mirror.block_size, list(mirror.hashes), dict(mirror.loras))
-                    for index, mirror in self._mirrors.items()
-                },
+                pools={index: mirror.held() for index, mirror in self._mirrors.items()},
             )
             self._socket.send_multipart([topic, encoder.encode(snapshot)], copy=False)

@@ -33,11 +33,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tidegate.engine.kv_events import LIVE_TOPIC, REPLAY_TOPIC_PREFIX
+from tidegate.engine.kv_events import LIVE_TOPIC, REPLAY_TOPIC_PREFIX, CoreCache
 from tidegate.engine.messages import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KVEventsMessage,
     KVEventsSnapshot,
 )
@@ -53,19 +50,10 @@ REPLAY_TIMEOUT_S = 5.0
 
 
 @dataclass
-class _Pool:
-    """One engine core's held blocks."""
-
-    block_size: int
-    hashes: set[bytes] = field(default_factory=set)
-
-
-@dataclass
 class HeldByInstance:
-    """Everything one instance holds: per engine core, and the adapters' digests."""
+    """Everything one instance holds, per engine core."""
 
-    pools: dict[int, _Pool] = field(default_factory=dict)
-    loras: dict[str, str] = field(default_factory=dict)
+    pools: dict[int, CoreCache] = field(default_factory=dict)
     synced: bool = False
 
     @property
@@ -73,36 +61,21 @@ class HeldByInstance:
         return sum(len(pool.hashes) for pool in self.pools.values())
 
     def replace(self, snapshot: KVEventsSnapshot) -> None:
-        self.pools = {
-            index: _Pool(held.block_size, set(held.block_hashes))
-            for index, held in snapshot.pools.items()
-        }
-        self.loras = {name: d for held in snapshot.pools.values() for name, d in held.loras.items()}
+        self.pools = {index: CoreCache.from_held(held) for index, held in snapshot.pools.items()}
         self.synced = True
 
     def apply(self, message: KVEventsMessage) -> None:
-        for event in message.events:
-            if isinstance(event, BlockStored):
-                pool = self.pools.get(message.pool)
-                if pool is None or pool.block_size != event.block_size:
-                    pool = self.pools[message.pool] = _Pool(event.block_size)
-                pool.hashes.update(event.block_hashes)
-                if event.lora_name is not None and event.lora_digest is not None:
-                    self.loras[event.lora_name] = event.lora_digest
-            elif isinstance(event, BlockRemoved):
-                pool = self.pools.get(message.pool)
-                if pool is not None:
-                    pool.hashes.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.pools.pop(message.pool, None)
+        self.pools.setdefault(message.pool, CoreCache()).apply(message.events)
 
     def cached_tokens(self, route: Route) -> int:
         """Tokens of the route's prompt whose KV one of the instance's engine cores holds."""
         if route.token_ids is None or not self.pools:
             return 0
-        digest = None
-        if route.model is not None and route.model in self.loras:
-            digest = self.loras[route.model]
+        # The adapter's digest, which its blocks' hashes include, as the events named it.
+        digest = next(
+            (pool.loras[route.model] for pool in self.pools.values() if route.model in pool.loras),
+            None,
+        )
         best = 0
         for pool in self.pools.values():
             matched = 0
