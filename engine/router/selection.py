@@ -78,17 +78,6 @@ class Selector:
     slack: float = 2.0
     slack_ratio: float = 0.25
 
-    def choose(
-        self,
-        key: str,
-        loads: Mapping[str, float],
-        preferred: Collection[str] = (),
-        cached: Mapping[str, int] | None = None,
-    ) -> str | None:
-        """The URL to send a request with this key to, given each candidate's load."""
-        order = self.order(key, loads, preferred, cached)
-        return order[0] if order else None
-
     def order(
         self,
         key: str,

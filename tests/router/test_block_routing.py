@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 
+from tests.router.test_router_selection import first
 from tidegate.engine.config import RouterArgs
 from tidegate.engine.core.block_hash import append_block_hashes
 from tidegate.engine.kv_events import KVEventPublisher
@@ -25,10 +26,10 @@ IDLE = dict.fromkeys(URLS, 0.0)
 def test_the_instance_holding_the_prefix_wins_over_rendezvous_order():
     order = rendezvous_order("k", URLS)
     holder = order[2]
-    assert Selector().choose("k", IDLE, cached={holder: 512}) == holder
+    assert first(Selector(), "k", IDLE, cached={holder: 512}) == holder
     # The longer cached prefix wins; nothing cached anywhere keeps rendezvous order.
-    assert Selector().choose("k", IDLE, cached={order[1]: 64, holder: 512}) == holder
-    assert Selector().choose("k", IDLE, cached={}) == order[0]
+    assert first(Selector(), "k", IDLE, cached={order[1]: 64, holder: 512}) == holder
+    assert first(Selector(), "k", IDLE, cached={}) == order[0]
 
 
 def test_a_cached_prefix_is_worth_its_tokens_in_load_and_never_past_the_bound():
@@ -37,11 +38,11 @@ def test_a_cached_prefix_is_worth_its_tokens_in_load_and_never_past_the_bound():
     selector = Selector(slack=4, slack_ratio=0.0)
     # One request busier: a prefix of more than LOAD_COST_TOKENS still wins...
     loads = {**IDLE, holder: 1.0}
-    assert selector.choose("k", loads, cached={holder: LOAD_COST_TOKENS + 16}) == holder
+    assert first(selector, "k", loads, cached={holder: LOAD_COST_TOKENS + 16}) == holder
     # ...a shorter one does not, and the rest keep rendezvous order.
-    assert selector.choose("k", loads, cached={holder: LOAD_COST_TOKENS - 16}) == order[0]
+    assert first(selector, "k", loads, cached={holder: LOAD_COST_TOKENS - 16}) == order[0]
     # Past the load bound no prefix holds a request there.
-    assert selector.choose("k", {**IDLE, holder: 5.0}, cached={holder: 10_000}) == order[0]
+    assert first(selector, "k", {**IDLE, holder: 5.0}, cached={holder: 10_000}) == order[0]
     # Every candidate comes back, the bound's first, the overloaded last (fallbacks).
     ranked = selector.order("k", {**IDLE, holder: 5.0}, cached={holder: 10_000})
     assert ranked[-1] == holder and sorted(ranked) == sorted(URLS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -21,15 +22,20 @@ URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 IDLE = dict.fromkeys(URLS, 0.0)
 
 
+def first(selector: Selector, *args: Any, **kwargs: Any) -> str:
+    """The instance the selector puts first."""
+    return selector.order(*args, **kwargs)[0]
+
+
 def test_affinity_sends_a_key_to_the_same_instance_every_time():
     selector = Selector()
-    chosen = {selector.choose("system prompt A", IDLE) for _ in range(10)}
+    chosen = {first(selector, "system prompt A", IDLE) for _ in range(10)}
     assert len(chosen) == 1
     assert chosen == {rendezvous_order("system prompt A", URLS)[0]}
 
 
 def test_keys_spread_over_all_instances():
-    counts = Counter(Selector().choose(f"prompt {i}", IDLE) for i in range(400))
+    counts = Counter(first(Selector(), f"prompt {i}", IDLE) for i in range(400))
     assert set(counts) == set(URLS)
     assert min(counts.values()) > 50  # 100 each on average
 
@@ -45,18 +51,18 @@ def test_losing_an_instance_moves_only_the_keys_it_served():
 def test_affinity_holds_within_the_slack_and_yields_beyond_it():
     order = rendezvous_order("k", URLS)
     selector = Selector(slack=2, slack_ratio=0.25)
-    assert selector.choose("k", {**IDLE, order[0]: 2}) == order[0]
+    assert first(selector, "k", {**IDLE, order[0]: 2}) == order[0]
     # Too loaded: the key's second choice, not just any idle instance.
-    assert selector.choose("k", {**IDLE, order[0]: 3}) == order[1]
-    assert selector.choose("k", {**IDLE, order[0]: 3, order[1]: 3}) == order[2]
+    assert first(selector, "k", {**IDLE, order[0]: 3}) == order[1]
+    assert first(selector, "k", {**IDLE, order[0]: 3, order[1]: 3}) == order[2]
     # The slack grows with the load: at least 8 everywhere, 12 is still within bounds.
     busy = dict.fromkeys(URLS, 8.0)
-    assert selector.choose("k", {**busy, order[0]: 12}) == order[0]
-    assert selector.choose("k", {**busy, order[0]: 13}) == order[1]
+    assert first(selector, "k", {**busy, order[0]: 12}) == order[0]
+    assert first(selector, "k", {**busy, order[0]: 13}) == order[1]
 
 
 def test_no_candidates_means_no_choice():
-    assert Selector().choose("k", {}) is None
+    assert Selector().order("k", {}) == []
 
 
 def test_a_pool_picks_only_healthy_instances_not_yet_tried():
