@@ -44,7 +44,8 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))
 FINISH_REASONS = ("stop", "length", "abort")
 # Why a prefill leg this decode server ran itself (--prefill-via-header) gave no KV to pull:
 # no connection (or it dropped), no answer in time, a 5xx, an answer without usable
-# kv_transfer_params. Each time the prompt was computed here instead.
+# kv_transfer_params, a host --prefill-hosts does not allow (nothing was sent). Each time the
+# prompt was computed here instead.
 PREFILL_FALLBACK_REASONS = (
     "unreachable",
     "timeout",

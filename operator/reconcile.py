@@ -285,16 +285,21 @@ async def _revisions(
     kube: Kube, namespace: str, name: str, deployments: list[dict[str, Any]]
 ) -> list[Revision]:
     """Every role's revisions: each Deployment's current template (its spec hash), and the
-    older ones whose pods still run, from the role's ReplicaSets."""
+    older ones whose pods still run, from the role's ReplicaSets (which carry the pod
+    template's labels: one list finds every role's)."""
+    replica_sets = await kube.list("apps/v1", "ReplicaSet", namespace, owned_labels(name))
     revisions: list[Revision] = []
     for deployment in deployments:
         role = deployment["metadata"]["labels"][COMPONENT_LABEL]
         template = deployment["spec"]["template"]["metadata"]
         current = (template.get("annotations") or {}).get(SPEC_HASH)
-        replica_sets = await kube.list(
-            "apps/v1", "ReplicaSet", namespace, selector_labels(name, role)
-        )
-        revisions += role_revisions(role, current, replica_sets, SPEC_HASH)
+        selector = selector_labels(name, role)
+        of_role = [
+            rs
+            for rs in replica_sets
+            if selector.items() <= ((rs.get("metadata") or {}).get("labels") or {}).items()
+        ]
+        revisions += role_revisions(role, current, of_role, SPEC_HASH)
     return revisions
 
 

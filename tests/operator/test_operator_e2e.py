@@ -20,7 +20,7 @@ from kopf.testing import KopfRunner
 from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
 from tidegate.operator.handlers import build_registry
 from tidegate.operator.kube import KINDS
-from tidegate.operator.labels import COMPONENT_LABEL, selector_labels
+from tidegate.operator.labels import COMPONENT_LABEL, child_labels
 
 LLMD = "tidegate.dev/v1alpha1"
 API_VERSION_OF = {kind: api_version for api_version, kind in KINDS}
@@ -260,8 +260,9 @@ def test_disaggregated_resource_gets_pools_router_and_headless_services(
 
 
 def replica_set(name: str, role: str, revision: str, replicas: int, created: str) -> dict:
-    """What the Deployment controller makes for one pod template of a role."""
-    labels = {**selector_labels(name, role), "pod-template-hash": revision[:10]}
+    """What the Deployment controller makes for one pod template of a role: the template's
+    labels, and its own hash."""
+    labels = {**child_labels(name, role), "pod-template-hash": revision[:10]}
     return {
         "apiVersion": "apps/v1",
         "kind": "ReplicaSet",
