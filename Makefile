@@ -7,7 +7,7 @@ DEMO_MODEL := .cache/models/tiny-llama
 
 .PHONY: test test-quick demo lint format bench bench-throughput bench-startup bench-prefill-stall \
 	bench-shared-prefix bench-kv-routing bench-disaggregated bench-attention bench-cpu-attention bench-compile \
-	bench-peers clean
+	bench-closed-loop bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,11 @@ bench-prefill-stall: $(STAMP)
 
 bench-shared-prefix: $(STAMP)
 	$(BIN)/python benchmarks/shared_prefix.py
+
+# The prefill-stall workload at fixed chunk thresholds, then the closed loop: fit the engine's
+# step metrics (operator/step_fit.py), propose a threshold for the ITL SLO, restart, repeat.
+bench-closed-loop: $(STAMP)
+	$(BIN)/python benchmarks/closed_loop_tuning.py
 
 # Three instances behind a router: routing by the blocks each holds against rendezvous hashing.
 bench-kv-routing: $(STAMP)

@@ -9,10 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else is said
 API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag gives it
+# The share of its role's requests a canary takes when --traffic-weight does not say.
+DEFAULT_CANARY_WEIGHT = 0.1
 
 
 # The mallocs an engine process may run on (engine/allocator.py carries the choice out).
 CpuAllocator = Literal["auto", "tcmalloc", "system"]
+# Which revision of its role an instance serves during a rollout (router/instances.py).
+Track = Literal["stable", "canary"]
 
 
 class EngineArgs(BaseModel):
@@ -120,6 +124,23 @@ class EngineArgs(BaseModel):
         "each instance holds; a new subscriber first gets a replay of every held block "
         "(serving only).",
     )
+    track: Track = Field(
+        "stable",
+        description="Which revision of its role this instance runs during a rollout: stable, "
+        "or canary (the new one, tried on a share of the role's requests, traffic_weight). "
+        "Exported in /metrics as tidegate:revision_info{track,traffic_weight}, where routers "
+        "read it (serving only).",
+    )
+    traffic_weight: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="With track canary: the share of its role's requests routers send to the "
+        "pool's canaries, strictly between 0 and 1; with several canaries the largest "
+        f"weight counts. Default for a canary: {DEFAULT_CANARY_WEIGHT}. Refused with track "
+        "stable.",
+    )
     kv_transfer_timeout: float = Field(
         30.0,
         gt=0,
@@ -200,6 +221,14 @@ class EngineArgs(BaseModel):
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
+    @property
+    def canary_weight(self) -> float | None:
+        """The share of requests in force for a canary (traffic_weight or the default); None
+        for a stable instance."""
+        if self.track != "canary":
+            return None
+        return self.traffic_weight if self.traffic_weight is not None else DEFAULT_CANARY_WEIGHT
+
     def step_token_capacity(self, max_model_len: int) -> int:
         """Most tokens one step may compute: the budget, or a whole prompt when phased."""
         if self.scheduling_policy == "phased":
@@ -230,6 +259,12 @@ class EngineArgs(BaseModel):
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                 f"({self.max_loras}): every adapter of a step is also held in host memory"
+            )
+        if self.traffic_weight is not None and self.track != "canary":
+            raise ValueError(
+                f"traffic_weight {self.traffic_weight} is the share of requests a canary "
+                f"takes; track {self.track!r} takes no weight (give track 'canary', or no "
+                "traffic_weight)"
             )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(

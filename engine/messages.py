@@ -174,6 +174,21 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
 
 
+class StepTime(msgspec.Struct, array_like=True):
+    """One executed step: its wall seconds and what it computed.
+
+    `seconds` runs from the start of the engine core's step to its outputs (schedule, model,
+    update), or with async scheduling from the previous step's result to this one's: the
+    time the running streams waited for this step's tokens. `decodes` counts the requests
+    that computed one token past their prompt, `prompt_tokens` every other token computed
+    (prompt chunks, and recomputation after a preemption).
+    """
+
+    seconds: float
+    decodes: int
+    prompt_tokens: int
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """The scheduler and KV cache after a step; counters are totals since the core started."""
 
@@ -198,6 +213,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # LoRA: adapter name -> requests running (or waiting) under it.
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    # The steps executed since the last stats took (usually the one step they follow); the
+    # API server turns them into the tidegate:step_* metrics (engine/metrics.py).
+    steps: list[StepTime] = msgspec.field(default_factory=list)
 
 
 # -- KV-cache events (engine core -> API server -> routers) ----------------------------------

@@ -7,10 +7,25 @@ carries `model_name` and `engine` labels, as vLLM's do. With data parallelism ea
 has its own series: its SchedulerStats, and the requests it served, under `engine="<index>"`.
 Beside `METRICS`, info gauges in vLLM's form (`lora_requests_info`, `cache_config_info`) carry
 their state in labels.
+
+Step metrics (Tidegate's own, under `tidegate:` only: no vLLM server has them) describe each
+engine core's steps so that an operator can fit what a step costs from counters alone:
+`step_count`, `step_seconds`, `step_prompt_tokens` and `step_decodes` (counters, `_total`)
+are labelled by the class of prompt tokens and of decodes the step carried
+(`prompt_tokens`: "0", "1-64", ..., "16385+"; `decodes`: "0", "1-4", ..., "257+"; fixed
+bounds, so series of several pods and engine cores add up), and `step_duration_seconds{kind}`
+is a histogram of step seconds by whether the step carried a prompt chunk beside decodes
+(`decode`, `mixed`, or `prefill`: prompt tokens and no decode, which no stream waits on).
+The sums' increases over a window, per class, give mean step seconds, prompt tokens and
+decodes, to which operator/step_fit.py fits seconds = base + per_decode x decodes +
+per_token x prompt_tokens; the histogram gives the share of steps over an ITL SLO. A series
+of the counters appears with the first step of its class.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +55,36 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.
 # fmt: on
 # Token counts: powers of two up to 128Ki, beyond any context length we serve today.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))
+
+# fmt: off
+# Step wall times: fine around the ITL SLOs users set (10 ms to a few hundred), so that the
+# share of steps over one is read at a bound or interpolated over a narrow bucket.
+STEP_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+                3.0, 5.0, 10.0)
+# fmt: on
+# Class bounds of the step counters: a class holds the values up to its bound, after the
+# previous one ("0", "1-64", "65-256", ...); the last class is open ("16385+").
+STEP_PROMPT_TOKEN_BOUNDS = (0, 64, 256, 1024, 4096, 16384)
+STEP_DECODE_BOUNDS = (0, 4, 16, 64, 256)
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def class_labels(bounds: tuple[int, ...]) -> tuple[str, ...]:
+    """The label of each class of `bounds`: "0", then "a-b" up to each bound, then "n+"."""
+    middle = [f"{low + 1}-{high}" for low, high in itertools.pairwise(bounds)]
+    return (str(bounds[0]), *middle, f"{bounds[-1] + 1}+")
+
+
+STEP_PROMPT_TOKEN_CLASSES = class_labels(STEP_PROMPT_TOKEN_BOUNDS)
+STEP_DECODE_CLASSES = class_labels(STEP_DECODE_BOUNDS)
+# The step counters: name without prefix, help text.
+STEP_COUNTERS = (
+    ("step_count", "Engine steps executed, by the prompt tokens and decodes they carried."),
+    ("step_seconds", "Wall seconds of those steps (schedule, model, update), summed."),
+    ("step_prompt_tokens", "Prompt tokens those steps computed, summed."),
+    ("step_decodes", "Decodes (one token past a prompt) those steps computed, summed."),
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 # Why a prefill leg this decode server ran itself (--prefill-via-header) gave no KV to pull:
@@ -182,6 +227,23 @@ class PrometheusMetrics:
         self._series_cache: dict[tuple[str, ...], list[Any]] = {}
         # Engine index -> its SchedulerStats totals last seen.
         self._last_totals: dict[int, dict[str, int]] = {}
+        # Step metrics: the counters by (engine, prompt class, decode class), created with their
+        # first step, and the histogram's series by (engine, kind).
+        labels = ("model_name", "engine", "prompt_tokens", "decodes")
+        self._step_counters = [
+            Counter("tidegate:" + name, doc, labelnames=labels, registry=self.registry)
+            for name, doc in STEP_COUNTERS
+        ]
+        self._step_duration = Histogram(
+            "tidegate:step_duration_seconds",
+            "Wall seconds of one engine step, by kind: decode (decodes only), mixed (a prompt "
+            "chunk beside decodes) or prefill (prompt tokens, no decode).",
+            labelnames=("model_name", "engine", "kind"),
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self._step_series: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        self._step_kinds: dict[tuple[int, str], Any] = {}
         # Every series exists from the start, so dashboards and scalers read 0, not "no data".
         for engine in range(engine_index, engine_index + num_engines):
             for spec in METRICS:
@@ -189,6 +251,8 @@ class PrometheusMetrics:
                     self._series(spec.name, engine)
             for reason in FINISH_REASONS:
                 self._series("request_success", engine, finished_reason=reason)
+            for kind in STEP_KINDS:
+                self._step_kind(engine, kind)
 
     def _create(self, prefix: str, spec: MetricSpec) -> Any:
         kwargs: dict[str, Any] = {"buckets": spec.buckets} if spec.buckets else {}
@@ -240,6 +304,8 @@ class PrometheusMetrics:
             last_totals[name] = total
         if stats.num_batched_tokens > 0:
             self._observe("iteration_tokens_total", stats.num_batched_tokens, engine)
+        for step in stats.steps:
+            self.record_step(step.seconds, step.decodes, step.prompt_tokens, engine)
         self.record_kv_blocks(stats.num_total_blocks, engine)
         if self._lora_info:
             self._lora_by_engine[engine] = (
@@ -247,6 +313,45 @@ class PrometheusMetrics:
                 stats.waiting_lora_adapters,
             )
             self._record_lora_requests()
+
+    # -- engine steps ----------------------------------------------------------------------
+
+    def record_step(
+        self, seconds: float, decodes: int, prompt_tokens: int, engine: int | None = None
+    ) -> None:
+        """Count one engine step in its class and observe its seconds."""
+        engine = self._default_engine if engine is None else engine
+        key = (
+            engine,
+            bisect.bisect_left(STEP_PROMPT_TOKEN_BOUNDS, prompt_tokens),
+            bisect.bisect_left(STEP_DECODE_BOUNDS, decodes),
+        )
+        series = self._step_series.get(key)
+        if series is None:
+            series = self._step_series[key] = tuple(
+                counter.labels(
+                    self._model_name,
+                    str(engine),
+                    STEP_PROMPT_TOKEN_CLASSES[key[1]],
+                    STEP_DECODE_CLASSES[key[2]],
+                )
+                for counter in self._step_counters
+            )
+        count, total_seconds, total_prompt, total_decodes = series
+        count.inc()
+        total_seconds.inc(seconds)
+        total_prompt.inc(prompt_tokens)
+        total_decodes.inc(decodes)
+        kind = "mixed" if prompt_tokens and decodes else "prefill" if prompt_tokens else "decode"
+        self._step_kind(engine, kind).observe(seconds)
+
+    def _step_kind(self, engine: int, kind: str) -> Any:
+        series = self._step_kinds.get((engine, kind))
+        if series is None:
+            series = self._step_kinds[(engine, kind)] = self._step_duration.labels(
+                self._model_name, str(engine), kind
+            )
+        return series
 
     # -- LoRA adapters ---------------------------------------------------------------------
 
@@ -353,6 +458,23 @@ class PrometheusMetrics:
             labelnames=("model_name", "port"),
             registry=self.registry,
         ).labels(self._model_name, str(port)).set(1)
+
+    def record_revision(self, track: str, traffic_weight: float | None) -> None:
+        """Export `tidegate:revision_info{track,traffic_weight}`: this instance's rollout track.
+
+        Routers read it (router/health.py) and send a canary its share of the role's requests;
+        `traffic_weight` is the share in force for a canary (EngineArgs.canary_weight), and
+        empty for a stable instance. Value always 1.
+        """
+        Gauge(
+            "tidegate:revision_info",
+            "The rollout track this server runs on (stable or canary) and, for a canary, the "
+            "share of its role's requests routers send it; the value is always 1.",
+            labelnames=("model_name", "track", "traffic_weight"),
+            registry=self.registry,
+        ).labels(
+            self._model_name, track, "" if traffic_weight is None else str(traffic_weight)
+        ).set(1)
 
     # -- Prefill legs run by a decode server ------------------------------------------------
 

@@ -29,6 +29,7 @@ and the engine's ChunkSizeTuner sizes chunks online from the step times it measu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tidegate.engine.config import EngineArgs
@@ -61,6 +62,8 @@ DEFAULT_PRODUCTS = {
 # Any other resource name gets the H100's figures, and its reasons say so.
 FALLBACK_PRODUCT = DEFAULT_PRODUCTS["nvidia.com/gpu"]
 
+# Tensor-parallel ranks a CPU pod may run (worker processes, gloo between them).
+MAX_CPU_TENSOR_PARALLEL = 8
 # The smallest chunk, in KV blocks: below it a step spends more on overhead than on the prompt.
 MIN_CHUNK_BLOCKS = 4
 # Activation memory grows with a step's tokens, and a longer step is a longer stall anyway.
@@ -145,9 +148,26 @@ class Tuning:
         return {"roles": roles, "reasons": self.reasons()}
 
 
-def tune(spec: LLMDeploymentSpec) -> Tuning:
-    """The engine flags of every role, each with its reason; TuningError when none can work."""
-    roles = {name: _tune_role(spec, name, role) for name, role in spec.topology.roles().items()}
+@dataclass(frozen=True)
+class MeasuredChunks:
+    """A role's chunk threshold and step budget from closed-loop tuning (operator/step_fit.py:
+    fitted to the steps its engines measured), with why."""
+
+    threshold: int
+    budget: int
+    reason: str
+
+
+def tune(spec: LLMDeploymentSpec, measured: Mapping[str, MeasuredChunks] | None = None) -> Tuning:
+    """The engine flags of every role, each with its reason; TuningError when none can work.
+
+    `measured` (spec.tuning.mode closed-loop) replaces the cost model's threshold and budget
+    of the roles it names, where the spec leaves them auto.
+    """
+    roles = {
+        name: _tune_role(spec, name, role, (measured or {}).get(name))
+        for name, role in spec.topology.roles().items()
+    }
     if "prefill" in roles:
         prefill = roles["prefill"].tensor_parallel_size.value
         decode = roles["decode"].tensor_parallel_size.value
@@ -161,10 +181,22 @@ def tune(spec: LLMDeploymentSpec) -> Tuning:
     return Tuning(roles)
 
 
-def _tune_role(spec: LLMDeploymentSpec, name: str, role: RoleSpec) -> RoleTuning:
+def _tune_role(
+    spec: LLMDeploymentSpec, name: str, role: RoleSpec, measured: MeasuredChunks | None
+) -> RoleTuning:
     tp = _tensor_parallel(spec, name, role)
     dp = _data_parallel(spec, int(tp.value))
     threshold, budget = _chunks(spec, name, role, _step_cost(spec, int(tp.value)))
+    if measured is not None and not threshold.user_set and not budget.user_set:
+        threshold = Choice(measured.threshold, f"closed-loop: {measured.reason}")
+        budget = step_budget(
+            measured.threshold, spec.scheduling.max_num_seqs, spec.scheduling.block_size
+        )
+        if measured.budget != budget.value:
+            budget = Choice(
+                measured.budget,
+                "closed-loop: the fitted chunk plus a decode token for every running request",
+            )
     return RoleTuning(name, tp, dp, budget, threshold, spec.accelerator is not None)
 
 
@@ -189,15 +221,37 @@ def _tensor_parallel(spec: LLMDeploymentSpec, name: str, role: RoleSpec) -> Choi
         "parallelism",
     )
     if spec.accelerator is None:
-        if tp not in ("auto", 1):
-            raise TuningError(
-                f"{where} is {tp}, but spec.accelerator is absent and CPU pods run one worker; "
-                "allowed: 1 or auto"
-            )
-        return Choice(1, "no accelerator: CPU pods run one worker", user_set=tp == 1)
+        if tp in ("auto", 1):
+            return Choice(1, "no accelerator: CPU pods run one worker", user_set=tp == 1)
+        return _cpu_tensor_parallel(spec, int(tp), where)
     if tp == "auto":
         return _auto_tensor_parallel(spec)
     return _checked_tensor_parallel(spec, int(tp), where)
+
+
+def _cpu_tensor_parallel(spec: LLMDeploymentSpec, tp: int, where: str) -> Choice:
+    """A user's TP on CPU pods: ranks are worker processes that share the pod's CPUs and
+    all-reduce over gloo. Worth it only where one process cannot use the machine well (one
+    rank per NUMA node, as vLLM's CPU backend advises); auto never picks it."""
+    if tp > MAX_CPU_TENSOR_PARALLEL:
+        raise TuningError(
+            f"{where} is {tp}, but spec.accelerator is absent and a CPU pod runs at most "
+            f"{MAX_CPU_TENSOR_PARALLEL} worker ranks; allowed: 1 to {MAX_CPU_TENSOR_PARALLEL}, "
+            "or auto"
+        )
+    heads = _heads(spec.model)
+    for field, count in heads:
+        if count % tp:
+            raise TuningError(
+                f"{where} {tp} does not divide model.{field} {count}; allowed: "
+                f"{', '.join(str(n) for n in range(1, MAX_CPU_TENSOR_PARALLEL + 1) if _divides(n, heads))}"
+            )
+    return Choice(
+        tp,
+        f"set in {where}: {tp} CPU worker processes share the pod's CPUs and all-reduce over "
+        f"gloo (one per NUMA node is what pays){_heads_note(tp, heads)}",
+        user_set=True,
+    )
 
 
 def _auto_tensor_parallel(spec: LLMDeploymentSpec) -> Choice:
@@ -418,7 +472,7 @@ def _unknown_cost_chunks(
     if budget is None and isinstance(threshold.value, int):
         # A user's chunk larger than the default budget gets a budget that holds it.
         decodes = 0 if name == "prefill" else spec.scheduling.max_num_seqs
-        held = _budget(threshold.value, decodes, spec.scheduling.block_size)
+        held = step_budget(threshold.value, decodes, spec.scheduling.block_size)
         budget = held if held.value > default.value else default
     return threshold, budget or default
 
@@ -438,7 +492,7 @@ def _prefill_chunks(
     if budget is None:
         budget = Choice(tokens, why)
         if threshold is not None and int(threshold.value) > tokens:
-            budget = _budget(int(threshold.value), 0, spec.scheduling.block_size)
+            budget = step_budget(int(threshold.value), 0, spec.scheduling.block_size)
     return threshold or Choice(
         budget.value,
         "equal to maxNumBatchedTokens: prefill pods carry no decodes, so one prompt may take a "
@@ -466,7 +520,7 @@ def _mixed_chunks(
         threshold = Choice(tokens, why)
     scheduling = spec.scheduling
     # Room in a step for one decode token of every running request.
-    return threshold, budget or _budget(
+    return threshold, budget or step_budget(
         int(threshold.value), scheduling.max_num_seqs, scheduling.block_size
     )
 
@@ -511,15 +565,20 @@ def _fit(
 
 def _bounds(spec: LLMDeploymentSpec, maximum: int) -> tuple[int, int, str]:
     """The smallest and largest chunk of a role, and what sets the largest."""
-    block = spec.scheduling.block_size
+    return chunk_bounds(spec.scheduling.block_size, spec.model.max_model_len, maximum)
+
+
+def chunk_bounds(block: int, max_model_len: int | None, maximum: int) -> tuple[int, int, str]:
+    """The smallest and largest chunk (MIN_CHUNK_BLOCKS blocks; `maximum` or the longest whole
+    blocks within maxModelLen), and what sets the largest. Also used by operator/step_fit.py."""
     upper, name = maximum, f"the {maximum}-token maximum"
-    longest = spec.model.max_model_len
+    longest = max_model_len
     if longest is not None and longest - longest % block < upper:
         upper, name = max(block, longest - longest % block), f"maxModelLen {longest}"
     return min(MIN_CHUNK_BLOCKS * block, upper), upper, name
 
 
-def _budget(threshold: int, decodes: int, block: int) -> Choice:
+def step_budget(threshold: int, decodes: int, block: int) -> Choice:
     """A step budget of one chunk plus `decodes` decode tokens, in whole blocks."""
     total = threshold + decodes
     rounded = -(-total // block) * block

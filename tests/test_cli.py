@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CLI = [sys.executable, "-m", "tidegate.cli"]
 
 
@@ -103,3 +105,67 @@ def test_every_subcommand_has_working_help():
     subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     for name, sub in subcommands.items():
         assert sub.format_help(), name  # formatting raises on a stray % in a help text
+
+
+def test_the_rollout_track_and_weight_come_from_the_command_line_or_a_config_file(tmp_path):
+    from tidegate.cli import build_parser
+    from tidegate.engine.config import DEFAULT_CANARY_WEIGHT, EngineArgs, ServerArgs
+    from tidegate.engine.entrypoints.args import engine_args_from, load_config_file
+
+    def serve(argv: list[str], config: str | None = None) -> EngineArgs:
+        values = {}
+        if config is not None:
+            (tmp_path / "engine.yaml").write_text(config)
+            values = load_config_file(str(tmp_path / "engine.yaml"), [EngineArgs, ServerArgs])
+            argv = ["--config", str(tmp_path / "engine.yaml"), *argv]
+        return engine_args_from(build_parser(values).parse_args(["serve", "--model", "/m", *argv]))
+
+    plain = serve([])
+    assert (plain.track, plain.traffic_weight, plain.canary_weight) == ("stable", None, None)
+    flagged = serve(["--track", "canary", "--traffic-weight", "0.3"])
+    assert (flagged.track, flagged.traffic_weight, flagged.canary_weight) == ("canary", 0.3, 0.3)
+    filed = serve([], "track: canary\ntraffic-weight: 0.05\n")
+    assert (filed.track, filed.canary_weight) == ("canary", 0.05)
+    # A canary without a weight takes the default, and says so in --help.
+    assert serve(["--track", "canary"]).canary_weight == DEFAULT_CANARY_WEIGHT == 0.1
+    assert "Default for a canary: 0.1" in EngineArgs.model_fields["traffic_weight"].description
+    # The command line wins over the file.
+    assert (
+        serve(["--traffic-weight", "0.2"], "track: canary\ntraffic-weight: 0.05\n").canary_weight
+        == 0.2
+    )
+
+
+def test_a_weight_without_a_canary_or_outside_zero_to_one_is_refused(tmp_path):
+    from tidegate.cli import build_parser
+    from tidegate.engine.config import EngineArgs
+    from tidegate.engine.entrypoints.args import engine_args_from
+
+    def refusal(*flags: str) -> str:
+        ns = build_parser().parse_args(["serve", "--model", "/m", *flags])
+        with pytest.raises(SystemExit) as refused:
+            engine_args_from(ns)
+        return str(refused.value)
+
+    assert "track 'stable' takes no weight" in refusal("--traffic-weight", "0.2")
+    assert "track 'stable' takes no weight" in refusal(
+        "--track", "stable", "--traffic-weight", "0.2"
+    )
+    for weight, message in [
+        ("0", "greater than 0"),
+        ("-0.1", "greater than 0"),
+        ("1", "less than 1"),
+        ("1.5", "less than 1"),
+        ("nan", "finite number"),
+        ("inf", "finite number"),
+    ]:
+        text = refusal("--track", "canary", "--traffic-weight", weight)
+        assert "traffic_weight" in text and message in text, (weight, text)
+    with pytest.raises(SystemExit):  # argparse: not a track
+        build_parser().parse_args(["serve", "--model", "/m", "--track", "beta"])
+    # Offline and in a config file alike: the same model refuses the same values.
+    with pytest.raises(ValueError, match="track 'stable' takes no weight"):
+        EngineArgs(model="/m", traffic_weight=0.5)
+    canary = EngineArgs(model="/m", track="canary", traffic_weight=0.5)
+    with pytest.raises(ValueError, match="takes no weight"):
+        canary.track = "stable"

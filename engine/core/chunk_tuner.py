@@ -24,6 +24,8 @@ import itertools
 import math
 from typing import NamedTuple
 
+from tidegate.common.linear import determinant, solve
+
 # A step may take this much longer than a decode-only step (0.5: up to 1.5x the gap).
 DEFAULT_SLACK = 0.5
 # Weight of the newest observation in the decode-only estimate: it follows the load quickly.
@@ -57,34 +59,6 @@ def chunk_pairs(context: int, tokens: int) -> int:
 def chunk_keys(context: int, tokens: int) -> int:
     """Keys a chunk of `tokens` after `context` computed ones reads: all of them, once."""
     return context + tokens
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """x with a x = b (Gaussian elimination, partial pivoting); None if `a` is singular."""
-    n = len(b)
-    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if m[pivot][col] == 0.0:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
-
-
-def _determinant(a: list[list[float]]) -> float:
-    if len(a) == 1:
-        return a[0][0]
-    return sum(
-        (-1) ** j * a[0][j] * _determinant([row[:j] + row[j + 1 :] for row in a[1:]])
-        for j in range(len(a))
-    )
 
 
 class ChunkSizeTuner:
@@ -162,9 +136,9 @@ class ChunkSizeTuner:
         for subset in subsets:
             a = [[self._ff[i][j] for j in subset] for i in subset]
             diagonal = math.prod(a[k][k] for k in range(len(subset)))
-            if diagonal <= 0.0 or _determinant(a) <= _MIN_INDEPENDENCE * diagonal:
+            if diagonal <= 0.0 or determinant(a) <= _MIN_INDEPENDENCE * diagonal:
                 continue
-            solution = _solve(a, [self._fe[i] for i in subset])
+            solution = solve(a, [self._fe[i] for i in subset])
             if solution is None or min(solution) < 0.0:
                 continue
             # At the least-squares solution the residual is sum e^2 - c . (sum f e).

@@ -262,6 +262,7 @@ class EngineCore:
         the model is never idle waiting for the scheduler, and the outputs of step N go out
         while step N+1 runs.
         """
+        step_started = time.perf_counter()
         self.process_kv_events()
         scheduler_output = self.scheduler.schedule()
         if self.args.async_scheduling:
@@ -271,12 +272,15 @@ class EngineCore:
             self.last_scheduler_output = scheduler_output
             started = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
+            # The chunk tuner learns the model's time; the step metrics get the whole step's,
+            # planning and applying included: what a stream waits between two tokens.
             self.scheduler.record_step_time(time.perf_counter() - started)
             if scheduler_output.is_empty:
                 self._check_progress()
                 outputs = []
             else:
                 outputs = self._apply(scheduler_output, runner_output)
+                self.scheduler.record_step(time.perf_counter() - step_started)
         refused = self.scheduler.take_error_outputs()
         return refused + outputs if refused else outputs
 
@@ -309,6 +313,7 @@ class EngineCore:
         now = time.perf_counter()
         # It ran from when the step before it returned (or from its start) until now.
         self.scheduler.record_step_time(now - self._last_result_time, mix)
+        self.scheduler.record_step(now - self._last_result_time, mix)
         self._last_result_time = now
         self.last_scheduler_output = scheduler_output
         outputs = [] if scheduler_output.is_empty else self._apply(scheduler_output, runner_output)
@@ -379,7 +384,7 @@ class EngineCore:
         """Counters users and metrics read: blocks, prefix cache, preemptions, queue sizes."""
         # The same counters as scheduler_stats(), which alone hands over the pull latencies.
         stats = msgspec.structs.asdict(self.scheduler.make_stats(take_latencies=False))
-        del stats["num_batched_tokens"], stats["kv_transfer_latencies"]
+        del stats["num_batched_tokens"], stats["kv_transfer_latencies"], stats["steps"]
         stats["num_computed_prompt_tokens"] = stats.pop("prompt_tokens_computed")
         stats["num_steps"] = self.scheduler.num_steps
         stats["num_pulling"] = self.scheduler.num_pulling

@@ -26,10 +26,15 @@ from tidegate.engine.messages import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    StepTime,
 )
 from tidegate.engine.structured_output import bitmask_words
 
 logger = logging.getLogger(__name__)
+
+# Steps kept for the next stats (make_stats hands them over, and the engine core's loop takes
+# stats after every step): a bound for the offline LLM, which never takes any.
+_STEP_LOG_MAX = 4096
 
 
 class Scheduler:
@@ -78,8 +83,11 @@ class Scheduler:
         self.chunk_tuner: ChunkSizeTuner | None = None
         if limits.adaptive_chunking:
             self.chunk_tuner = ChunkSizeTuner(self.block_size, limits.max_num_batched_tokens)
-        # (decodes, prompt tokens) of the last planned step, for the chunk tuner.
+        # (decodes, prompt tokens) of the last planned step, for the chunk tuner and the step
+        # metrics; the tuner's attention pairs and keys too when it runs.
         self._last_mix = StepMix(0)
+        # Executed steps not yet handed over in stats (record_step), oldest first.
+        self._step_log: deque[StepTime] = deque(maxlen=_STEP_LOG_MAX)
         self.num_preemptions = 0
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
@@ -188,6 +196,13 @@ class Scheduler:
         if self.chunk_tuner is not None:
             self.chunk_tuner.observe(mix or self._last_mix, seconds)
 
+    def record_step(self, seconds: float, mix: StepMix | None = None) -> None:
+        """A step's wall time for the step metrics (the next stats hand it over): the last
+        planned step, or the one of `mix`. A step that computed nothing is not counted."""
+        decodes, tokens = (mix or self._last_mix)[:2]
+        if decodes or tokens:
+            self._step_log.append(StepTime(seconds, decodes, tokens))
+
     def _schedule_running(
         self,
         budget: StepBudget,
@@ -260,21 +275,22 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         grammar_rows: list[Request] = []
-        if self.chunk_tuner is not None:  # only the tuner needs the step's mix
-            num_decodes = pairs = keys = 0
-            for req_id, num in scheduled.items():
-                request = self.requests[req_id]
-                if num == 1 and _is_decoding(request):
-                    num_decodes += 1
-                else:
-                    pairs += chunk_pairs(request.num_computed_tokens, num)
-                    keys += chunk_keys(request.num_computed_tokens, num)
-            self._last_mix = StepMix(num_decodes, total - num_decodes, pairs, keys)
+        # The step's mix (decodes, prompt tokens; and for the tuner alone, the prompt tokens'
+        # attention pairs and keys), each request counted before it advances. Without the
+        # tuner a decode is one token past the prompt, a comparison of what is at hand (the
+        # tuner's test differs only for a recompute one token at a time).
+        tuned = self.chunk_tuner is not None
+        num_decodes = pairs = keys = 0
         # Advance now so the next schedule() sees this step's work as done.
         for req_id, num in scheduled.items():
             request = self.requests[req_id]
             start = request.num_computed_tokens
             prompt_len = request.num_prompt_tokens
+            if num == 1 and (_is_decoding(request) if tuned else start >= prompt_len):
+                num_decodes += 1
+            elif tuned:
+                pairs += chunk_pairs(start, num)
+                keys += chunk_keys(start, num)
             self.num_computed_prompt_tokens += min(start + num, prompt_len) - min(start, prompt_len)
             request.num_computed_tokens += num
             samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
@@ -282,6 +298,7 @@ class Scheduler:
                 grammar_rows.append(request)
             if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # this step samples its next token
+        self._last_mix = StepMix(num_decodes, total - num_decodes, pairs, keys)
         if grammar_rows:
             output.grammar = self._grammar_bitmask(grammar_rows)
         self.num_steps += 1
@@ -596,7 +613,8 @@ class Scheduler:
     def make_stats(
         self, num_batched_tokens: int = 0, take_latencies: bool = True
     ) -> SchedulerStats:
-        """The scheduler and its KV cache now; `take_latencies` hands over the pull times."""
+        """The scheduler and its KV cache now; `take_latencies` hands over the pull times and
+        the steps recorded since the last call."""
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=self.num_running,
@@ -616,7 +634,15 @@ class Scheduler:
             kv_transfer_latencies=self.kv_transfer.take_latencies() if take_latencies else [],
             running_lora_adapters=_count_adapters(self.running),
             waiting_lora_adapters=_count_adapters(self.waiting),
+            steps=self._take_steps() if take_latencies else [],
         )
+
+    def _take_steps(self) -> list[StepTime]:
+        if not self._step_log:
+            return []
+        steps = list(self._step_log)
+        self._step_log.clear()
+        return steps
 
 
 class _AdapterSlots:

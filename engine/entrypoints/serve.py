@@ -47,6 +47,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         compat=server_args.metrics_compat,
         num_engines=engine_args.data_parallel_size_local,
     )
+    # Routers read the track from the start, before the model has loaded.
+    metrics.record_revision(engine_args.track, engine_args.canary_weight)
     # A Ctrl-C or SIGTERM while the model loads stops the start-up cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

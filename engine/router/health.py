@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 
+from tidegate.engine.config import DEFAULT_CANARY_WEIGHT
 from tidegate.engine.router.adapters import ADAPTER_METRICS, read_adapters
 from tidegate.engine.router.discovery import discover
 from tidegate.engine.router.exposition import Exposition, parse_exposition
-from tidegate.engine.router.instances import Instance, InstancePool
+from tidegate.engine.router.instances import CANARY, STABLE, Instance, InstancePool
 
 logger = logging.getLogger("tidegate.router")
 
@@ -21,8 +22,10 @@ logger = logging.getLogger("tidegate.router")
 LOAD_METRICS = ("tidegate:num_requests_running", "tidegate:num_requests_waiting")
 # The port an instance publishes KV-cache events on, as the label of an info gauge.
 KV_EVENTS_METRIC = "tidegate:kv_events_info"
+# An instance's rollout track and, for a canary, its share of requests, as an info gauge's labels.
+REVISION_METRIC = "tidegate:revision_info"
 # All the router reads of a /metrics page; the rest of it is not parsed.
-READ_METRICS = frozenset((*LOAD_METRICS, *ADAPTER_METRICS, KV_EVENTS_METRIC))
+READ_METRICS = frozenset((*LOAD_METRICS, *ADAPTER_METRICS, KV_EVENTS_METRIC, REVISION_METRIC))
 # While requests are held for a pool with no healthy instance, rounds come this often (or
 # more often, with a shorter --health-interval): a held request is routed within this
 # much of its instance turning ready.
@@ -50,11 +53,31 @@ def kv_events_port(page: Exposition) -> int | None:
     return None
 
 
+def revision(page: Exposition) -> tuple[str, float | None]:
+    """An instance's track and, for a canary, its weight, as its /metrics says.
+
+    No series, or a track the router does not know: stable (a plain vLLM server, an older
+    engine). A canary whose weight is missing or not strictly between 0 and 1 takes the
+    engine's default weight, as an engine started without --traffic-weight does.
+    """
+    for sample in page.series(REVISION_METRIC):
+        if sample.labels.get("track") != CANARY:
+            continue
+        try:
+            weight = float(sample.labels.get("traffic_weight", ""))
+        except ValueError:
+            weight = DEFAULT_CANARY_WEIGHT
+        if not 0.0 < weight < 1.0:  # NaN too
+            weight = DEFAULT_CANARY_WEIGHT
+        return CANARY, weight
+    return STABLE, None
+
+
 class HealthMonitor:
     """Every `interval` seconds: discovery, then GET /health (and /metrics) on each instance.
 
-    /metrics gives an instance's load and its LoRA adapters (router/adapters.py), both read
-    from one scrape.
+    /metrics gives an instance's load, its LoRA adapters (router/adapters.py), its KV-events
+    port and its rollout track (`revision`), all read from one scrape.
 
     While any request is held (router/pending.py), rounds come every HOLDING_INTERVAL_S, and
     `wake` starts one at once.
@@ -145,6 +168,16 @@ class HealthMonitor:
         page = parse_exposition(response.text, READ_METRICS)
         instance.external_load = max(0.0, reported_load(page) - in_flight)
         instance.kv_events_port = kv_events_port(page)
+        track, weight = revision(page)
+        if (track, weight) != (instance.track, instance.traffic_weight):
+            logger.info(
+                "%s instance %s is on track %s%s",
+                instance.role,
+                instance.url,
+                track,
+                "" if weight is None else f" (traffic weight {weight})",
+            )
+        instance.track, instance.traffic_weight = track, weight
         adapters = read_adapters(page)
         if adapters.served != instance.adapters.served:
             served = "unknown" if adapters.served is None else sorted(adapters.served)

@@ -24,7 +24,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 class RouterMetrics:
     """Requests per leg and status, leg latency, prefill skips, endpoint picker answers, each
-    backend's state, and the requests held per pool.
+    backend's state, the requests held per pool, and the requests routed per role and track.
 
     `tidegate:router_pending_requests{pool}` is a gauge: the client requests this router
     holds right now because the pool had no healthy instance when they came
@@ -105,9 +105,20 @@ class _BackendCollector(Collector):
         )
         for name, pool in self._held.items():
             pending.add_metric((name,), pool.pending)
+        routed = CounterMetricFamily(
+            PREFIX + "routed_requests",
+            "Requests routed to an instance of a role (first choices, not retries), by the "
+            "instance's rollout track (stable, canary): a canary's share of its role's "
+            "requests is its track's count over the role's.",
+            labels=("role", "track"),
+        )
+        for pool in self._pools:
+            for track, count in pool.routed_requests.items():
+                routed.add_metric((pool.role, track), count)
         yield up
         yield in_flight
         yield pending
+        yield routed
         yield from self._kv_index()
 
     def _kv_index(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

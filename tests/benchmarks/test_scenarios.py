@@ -192,3 +192,33 @@ def test_cold_start_fetches_once_for_two_replicas(tmp_path):
     assert first["start_to_ready_s"] > 0 and second["start_to_ready_s"] > 0
     assert "load_average_1m_at_start" in result["machine"]
     assert "<!-- cold-start -->" in readme.read_text()
+
+
+@pytest.mark.slow
+def test_closed_loop_tuning_sweeps_fixed_thresholds_then_fits_and_proposes(tmp_path):
+    readme = tmp_path / "README.md"
+    command = [sys.executable, str(BENCHMARKS / "closed_loop_tuning.py"), "--smoke"]
+    subprocess.run(
+        [*command, "--out-dir", str(tmp_path), "--readme", str(readme)], check=True, timeout=300
+    )
+    result = json.loads((tmp_path / "closed_loop_tuning.json").read_text())
+    assert set(result["sweep"]) == {"64", "1024"}
+    runs = [*result["sweep"].values(), *result["closed_loop"]["iterations"]]
+    for run in runs:
+        assert run["failed"] == 0 and run["output_token_throughput"] > 0
+        assert run["itl_ms"]["p99"] > 0
+        # The window's steps were scraped, and each kind's share over the SLO read.
+        assert run["steps"]["decode"]["steps"] > 0 and run["steps"]["mixed"]["steps"] > 0
+        assert run["proposal"]["reason"]
+    loop = result["closed_loop"]
+    assert loop["start"] == 1024 and loop["iterations"][0]["threshold"] == 1024
+    first = loop["iterations"][0]
+    assert first["fit"]["ok"], first["fit"]["reason"]
+    assert first["fit"]["per_token_ms"] > 0 and first["proposal"]["change"]
+    assert first["proposal"]["threshold"] % 16 == 0
+    if len(loop["iterations"]) > 1:  # the loop restarted the engine with the proposal
+        assert loop["iterations"][1]["threshold"] == first["proposal"]["threshold"]
+    assert result["slo"]["itl_ms"] > 0 and result["slo"]["why"]
+    assert len(result["machine"]["load_average_at_end"]) == 3
+    assert "target met" in result["targets"]
+    assert not readme.exists()  # a smoke run leaves the results table alone

@@ -252,7 +252,7 @@ TABLE = [
         ("parallelism.tensorParallelSize", 64),
         DEGRADED_ROW,
         "is 64, but spec.accelerator is absent",
-        "allowed: 1 or auto",
+        "allowed: 1 to 8, or auto",
     ),
     row(
         "data-parallel-on-cpu",

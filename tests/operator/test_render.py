@@ -1414,7 +1414,7 @@ def test_an_invalid_spec_is_refused_naming_the_field(spec: dict[str, Any], field
     ("spec", "field"),
     [
         (
-            {"model": model(), "parallelism": {"tensorParallelSize": 2}},
+            {"model": model(), "parallelism": {"tensorParallelSize": 16}},
             "spec.parallelism.tensorParallelSize",
         ),
         (

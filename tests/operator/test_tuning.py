@@ -320,9 +320,14 @@ REFUSED = [
         id="user-tp-weights-overflow",
     ),
     pytest.param(
-        make_spec(8.03 * B, parallelism={"tensorParallelSize": 2}),
-        ["spec.accelerator is absent", "allowed: 1 or auto"],
-        id="cpu-tp-2",
+        make_spec(8.03 * B, parallelism={"tensorParallelSize": 16}),
+        ["spec.accelerator is absent", "at most 8 worker ranks", "allowed: 1 to 8, or auto"],
+        id="cpu-tp-16",
+    ),
+    pytest.param(
+        make_spec(8.03 * B, kv=8, parallelism={"tensorParallelSize": 3}),
+        ["tensorParallelSize 3 does not divide model.numKeyValueHeads 8", "allowed: 1, 2, 4, 8"],
+        id="cpu-tp-3-heads",
     ),
     pytest.param(
         make_spec(8.03 * B, parallelism={"dataParallelSizeLocal": 2}),

@@ -61,6 +61,9 @@ class FakeEngine:
     adapters: list[str] | None = None
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+    # Its rollout track and weight, as tidegate:revision_info; None: no such metric at all.
+    track: str | None = None
+    traffic_weight: str = ""
 
     def app(self) -> Starlette:
         """The engine as an ASGI app."""
@@ -130,6 +133,11 @@ class FakeEngine:
             f'tidegate:num_requests_running{{engine="0"}} {self.reported_load}\n'
             'tidegate:num_requests_waiting{engine="0"} 0.0\n'
         )
+        if self.track is not None:
+            text += (
+                f'tidegate:revision_info{{model_name="{BASE_MODEL}",track="{self.track}",'
+                f'traffic_weight="{self.traffic_weight}"}} 1.0\n'
+            )
         if self.adapters is not None:
             text += "# TYPE tidegate:lora_adapter_ready gauge\n" + "".join(
                 f'tidegate:lora_adapter_ready{{adapter="{name}"}} 1.0\n' for name in self.adapters

@@ -160,6 +160,29 @@ def test_the_fallback_list_is_the_pools_ranking_best_first(pool, envoy):
         stream.cancel()
 
 
+def test_a_canary_comes_first_by_its_weight_and_the_stable_ones_follow(backend, router, envoy):
+    stables = [backend("decode", track="stable") for _ in range(2)]
+    canary = backend("decode", track="canary", traffic_weight="0.5")
+    proxy = router([], [s.url for s in stables] + [canary.url], epp_port=0)
+    client = envoy(proxy)
+    everyone = sorted(endpoint_of(b.url) for b in (*stables, canary))
+    first = {"stable": 0, "canary": 0}
+    for prompt in range(30):
+        decision, stream = client.pick("/v1/completions", {**COMPLETION, "prompt": f"p{prompt}"})
+        stream.cancel()
+        assert sorted(decision.endpoints) == everyone
+        # The drawn track first, ranked as for HTTP, the other one as fallbacks.
+        track = "canary" if decision.endpoints[0] == endpoint_of(canary.url) else "stable"
+        if track == "stable":
+            assert decision.endpoints[-1] == endpoint_of(canary.url)
+        first[track] += 1
+    assert min(first.values()) > 0, first  # one track 30 times in a row: 2e-9
+    for track, count in first.items():
+        pattern = rf'^tidegate:router_routed_requests_total{{role="decode",track="{track}"}} (\S+)$'
+        found = re.search(pattern, proxy.metrics(), re.MULTILINE)
+        assert found and float(found.group(1)) == count
+
+
 def test_a_request_without_body_is_routed_at_its_headers(pool, envoy):
     [decode], router = pool()
     relayed = envoy(router).request("/v1/models", None, method="GET")

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.entrypoints.fake_engine import MODEL, SyncAPI
+from tidegate.engine.config import EngineArgs, ServerArgs
+from tidegate.engine.entrypoints import serve
 from tidegate.engine.entrypoints.openai.api_server import build_app
 from tidegate.engine.messages import SchedulerStats
 from tidegate.engine.metrics import PrometheusMetrics
+from tidegate.engine.router.exposition import parse_exposition
+from tidegate.engine.router.health import READ_METRICS, revision
 
 # What the endpoint picker reads, by default flag values.
 PICKER_METRICS = (
@@ -96,3 +103,58 @@ def test_without_compat_the_cache_config_is_tidegates_only(engine, tiny_llama_di
     [info] = samples["tidegate:cache_config_info"]
     assert info.labels["num_gpu_blocks"] == "100"
     assert info.labels["cache_dtype"] == "float16"
+
+
+@pytest.mark.parametrize(
+    ("track", "weight", "label"),
+    [("stable", None, ""), ("canary", 0.1, "0.1"), ("canary", 0.3, "0.3")],
+)
+def test_the_rollout_track_is_an_info_gauge_routers_read(
+    engine, tiny_llama_dir, track, weight, label
+):
+    metrics = PrometheusMetrics(MODEL, compat="vllm")
+    metrics.record_revision(track, weight)
+    samples = scrape(metrics, engine, tiny_llama_dir)
+
+    [info] = samples["tidegate:revision_info"]
+    assert info.value == 1
+    assert info.labels == {"model_name": MODEL, "track": track, "traffic_weight": label}
+    assert "vllm:revision_info" not in samples  # Tidegate's own: no vLLM twin
+    # What a router makes of it (router/health.py).
+    app = build_app(
+        engine, served_model_names=[MODEL], model_path=str(tiny_llama_dir), metrics=metrics
+    )
+    page = parse_exposition(SyncAPI(app).get("/metrics").text, READ_METRICS)
+    assert revision(page) == (track, weight)
+
+
+@pytest.mark.parametrize(
+    ("flags", "label"),
+    [
+        ({}, ("stable", "")),
+        ({"track": "canary"}, ("canary", "0.1")),
+        ({"track": "canary", "traffic_weight": 0.25}, ("canary", "0.25")),
+    ],
+    ids=["stable", "canary-default-weight", "canary-weight"],
+)
+def test_serve_exports_the_track_from_the_start(monkeypatch, tmp_path, flags, label):
+    made: list[PrometheusMetrics] = []
+
+    class Recorded(PrometheusMetrics):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(serve, "PrometheusMetrics", Recorded)
+    # No model here: serve gives up at once, the metrics already made.
+    engine_args = EngineArgs(model=str(tmp_path / "no-model"), **flags)
+    assert asyncio.run(serve._serve(engine_args, ServerArgs())) == 1
+    [metrics] = made
+    text = metrics.render()[0].decode()
+    [info] = [
+        s
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "tidegate:revision_info"
+    ]
+    assert (info.labels["track"], info.labels["traffic_weight"]) == label
