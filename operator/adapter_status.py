@@ -9,25 +9,23 @@ their selector labels, scrapes the ready ones' `/metrics` for
 `operator/status.py`: one entry per spec adapter) when it differs from what status holds, and
 nothing otherwise.
 
-The task ends when the resource is gone, when its spec is refused (the next reconcile that
-applies it starts a task again), or once spec.adapters is gone and its entry cleared. A
-refused API call or a failed scrape is logged and tried again the next period; nothing here
-stops the operator.
+The task (operator/resource_tasks.py) ends when the resource is gone, when its spec is
+refused (the next reconcile that applies it starts a task again), or once spec.adapters is
+gone and its entry cleared.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from tidegate.operator.cluster_scaler import PERIOD_S, Fetch, Scraper
-from tidegate.operator.kube import Kube, KubeError
+from tidegate.operator.kube import Kube
 from tidegate.operator.labels import selector_labels
 from tidegate.operator.pool_metrics import parse_exposition, served_adapters
 from tidegate.operator.reconcile import ADAPTERS_STATUS_KEY
+from tidegate.operator.resource_tasks import ResourceTasks
 from tidegate.operator.spec import API_VERSION, KIND, SpecError, parse_spec
 from tidegate.operator.status import adapter_status
 
@@ -44,68 +42,22 @@ def _wants_report(resource: Mapping[str, Any]) -> bool:
         return False
 
 
-class AdapterReporter:
+class AdapterReporter(ResourceTasks):
     """Runs one task per LLMDeployment with spec.adapters, which keeps status.adapters current."""
 
+    what = "adapters"
+
     def __init__(self, kube: Kube, period_s: float = PERIOD_S, fetch: Fetch | None = None) -> None:
-        self.kube = kube
-        self.period_s = period_s
+        super().__init__(kube, period_s, logger)
         self._scrape = Scraper(fetch)
-        self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._wake: dict[tuple[str, str], asyncio.Event] = {}
 
-    def watch(self, resource: Mapping[str, Any]) -> None:
-        """After a reconcile applied `resource`: start its task if it needs one and none runs,
-        else have the running one look now (the list may have just changed)."""
-        meta = resource["metadata"]
-        key = (meta.get("namespace") or "default", meta["name"])
-        task = self.tasks.get(key)
-        if task is not None and not task.done():
-            self._wake[key].set()
-            return
-        if not _wants_report(resource):
-            return
-        self._wake[key] = asyncio.Event()
-        self.tasks[key] = asyncio.get_running_loop().create_task(
-            self._run(*key), name=f"adapters {key[0]}/{key[1]}"
-        )
-
-    def forget(self, namespace: str, name: str) -> None:
-        """Stop the resource's task (it was deleted)."""
-        task = self.tasks.pop((namespace, name), None)
-        if task is not None:
-            task.cancel()
+    def wants(self, resource: Mapping[str, Any]) -> bool:
+        return _wants_report(resource)
 
     async def close(self) -> None:
         """Stop every task and release the scrape connections."""
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().close()
         await self._scrape.close()
-
-    async def _run(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        wake = self._wake[key]
-        try:
-            while True:
-                wake.clear()
-                try:
-                    resource = await self.kube.get(API_VERSION, KIND, namespace, name)
-                    if resource is None or resource["metadata"].get("deletionTimestamp"):
-                        return
-                    if not await self.step(resource):
-                        return
-                except KubeError as error:
-                    logger.warning(f"adapters of {namespace}/{name}: {error}; next period")
-                except Exception:
-                    logger.exception(f"adapters of {namespace}/{name} failed; next period")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.period_s)
-        finally:
-            if self.tasks.get(key) is asyncio.current_task():
-                self.tasks.pop(key)
-                self._wake.pop(key, None)
 
     async def step(self, resource: Mapping[str, Any]) -> bool:
         """One look at one resource; False when there is nothing left to report."""

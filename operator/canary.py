@@ -64,6 +64,10 @@ class CanaryPolicy:
     looks: int = 4
     alpha_regression: float = 0.01
     alpha_promotion: float = 0.05
+    # Closed-loop tuning's proposals trade ITL for throughput within the ITL SLO: with an SLO
+    # here, the canary's ITL may be slower than the stable pods' by the headroom the SLO
+    # leaves them (SLO over their p90), when that is more than the margin.
+    itl_slo_s: float | None = None
 
     def look_sizes(self) -> list[int]:
         """The canary's request counts at which a decision may be taken."""
@@ -131,12 +135,14 @@ def compare(canary: Window, stable: Window, policy: CanaryPolicy, look: int) -> 
             f"at an error rate of {bound:.1%})",
         )
     tests = []
+    margins = {}
     for metric, ours, theirs in (
         ("TTFT", canary.ttft, stable.ttft),
         ("ITL", canary.itl, stable.itl),
     ):
         if total(ours) <= 0 or total(theirs) <= 0:
             continue  # no request produced a second token on one side, say
+        margins[metric] = _margin(metric, theirs, policy)
         tests.append(
             latency_test(
                 metric,
@@ -144,14 +150,15 @@ def compare(canary: Window, stable: Window, policy: CanaryPolicy, look: int) -> 
                 theirs,
                 canary.requests,
                 stable.requests,
-                policy.margin,
+                margins[metric],
                 alpha_regression,
                 alpha_promotion,
             )
         )
     worse = [t for t in tests if t.worse]
     if worse:
-        return Verdict("rollback", "; ".join(_slower(t, policy.margin) for t in worse), tests)
+        said = "; ".join(_slower(t, margins[t.metric]) for t in worse)
+        return Verdict("rollback", said, tests)
     # Promotion needs evidence that the canary fails less often than a rate clearly worse:
     # the stable one plus twice the margin (a non-inferiority test, as for latency).
     clearly_worse = min(stable_rate + 2 * policy.error_margin, 1.0)
@@ -160,9 +167,15 @@ def compare(canary: Window, stable: Window, policy: CanaryPolicy, look: int) -> 
     )
     if tests and all(t.good_enough for t in tests) and not fails_more:
         said = ", ".join(f"{t.metric} P(slower) = {t.p_slower:.2f}" for t in tests)
+        slack = margins.get("ITL", policy.margin)
+        headroom = (
+            f" (ITL within {slack:.0%}: the headroom the ITL SLO leaves the stable pods)"
+            if slack > policy.margin
+            else ""
+        )
         return Verdict(
             "promote",
-            f"the canary is within {policy.margin:.0%} of the stable replicas over "
+            f"the canary is within {policy.margin:.0%} of the stable replicas{headroom} over "
             f"{canary.requests} requests ({said}) and fails no more often",
             tests,
         )
@@ -182,6 +195,31 @@ def compare(canary: Window, stable: Window, policy: CanaryPolicy, look: int) -> 
             tests,
         )
     return Verdict("wait", f"not conclusive after {canary.requests} requests", tests)
+
+
+def _margin(metric: str, stable: Mapping[float, float], policy: CanaryPolicy) -> float:
+    """How much slower the canary may be: the policy's margin, or for ITL with an SLO the
+    headroom the SLO leaves the stable pods' p90, whichever is larger."""
+    if metric != "ITL" or policy.itl_slo_s is None:
+        return policy.margin
+    p90 = _quantile(stable, 0.9)
+    if p90 is None or p90 <= 0:
+        return policy.margin
+    return max(policy.margin, policy.itl_slo_s / p90 - 1.0)
+
+
+def _quantile(histogram: Mapping[float, float], q: float) -> float | None:
+    """The q-quantile of a cumulative histogram, linear within its bucket."""
+    buckets = _buckets(histogram)
+    count = sum(n for _, _, n in buckets)
+    if count <= 0:
+        return None
+    rank, below = q * count, 0.0
+    for lower, upper, n in buckets:
+        if below + n >= rank:
+            return lower + (upper - lower) * (rank - below) / n
+        below += n
+    return buckets[-1][1]
 
 
 def latency_test(

@@ -23,7 +23,7 @@ def _plan(ns: argparse.Namespace) -> int:
     from tidegate.operator.manifest import load_llm_deployments
     from tidegate.operator.plan import plan, write_table, write_yaml
     from tidegate.operator.render import RenderOptions
-    from tidegate.operator.rollout import role_changes
+    from tidegate.operator.rollout import role_changes, rollout_steps
     from tidegate.operator.spec import SpecError
 
     options = RenderOptions(default_image=ns.engine_image)
@@ -38,21 +38,23 @@ def _plan(ns: argparse.Namespace) -> int:
     try:
         resources = load(ns.file)
         plans = plan(resources, options)
-        changes = None
+        changes = steps = None
         if ns.from_file:
             before = {r["metadata"]["name"]: r for r in load(ns.from_file)}
-            changes = {
-                resource["metadata"]["name"]: role_changes(plan([old], options)[0], rendered)
+            olds = {
+                resource["metadata"]["name"]: (plan([old], options)[0], rendered)
                 for resource, rendered in zip(resources, plans, strict=True)
                 if (old := before.get(resource["metadata"]["name"])) is not None
             }
+            changes = {name: role_changes(*pair) for name, pair in olds.items()}
+            steps = {name: rollout_steps(name, *pair) for name, pair in olds.items()}
     except SpecError as error:
         print(f"tidegate plan: {error}", file=sys.stderr)
         return 1
     if ns.output == "yaml":
         write_yaml(resources, plans, sys.stdout)
     else:
-        write_table(resources, plans, sys.stdout, changes)
+        write_table(resources, plans, sys.stdout, changes, steps)
     return 0
 
 
@@ -73,6 +75,7 @@ def _operator(ns: argparse.Namespace) -> int:
         autoscale_period_s=ns.autoscale_period,
         metrics_port=ns.metrics_port or None,
         adapter_period_s=ns.adapter_period,
+        rollout_period_s=ns.rollout_period,
     )
     run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
     return 0
@@ -160,6 +163,12 @@ def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None)
         type=_positive_seconds,
         default=PERIOD_S,
         help="seconds between two reads of which pods serve each LoRA adapter (status.adapters)",
+    )
+    parser.add_argument(
+        "--rollout-period",
+        type=_positive_seconds,
+        default=PERIOD_S,
+        help="seconds between two comparisons of a canary with its stable pods",
     )
     parser.set_defaults(handler=_operator)
 

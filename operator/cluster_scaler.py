@@ -50,6 +50,7 @@ from tidegate.operator.autoscaler import (
     decide,
     pool_targets,
 )
+from tidegate.operator.events import post_event, resource_event, rfc3339
 from tidegate.operator.kube import AUTOSCALER_FIELD_MANAGER, Kube, KubeError
 from tidegate.operator.labels import selector_labels
 from tidegate.operator.pool_metrics import (
@@ -194,10 +195,6 @@ def deletion_costs(loads: Mapping[str, EngineLoad]) -> dict[str, int]:
 # -- what status keeps ---------------------------------------------------------------------
 
 
-def _rfc3339(at: float) -> str:
-    return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def window_peaks(history: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
     """The recommendations that may still be a window's highest later on: those that no
     later one equals or exceeds. As many as the distinct values at most; the scale-down
@@ -222,7 +219,7 @@ def status_entry(
         "reason": decision.reason,
     }
     if state.events:
-        entry["lastScaleTime"] = _rfc3339(state.events[-1].at)
+        entry["lastScaleTime"] = rfc3339(state.events[-1].at)
     entry["recommendations"] = [
         {"at": math.floor(at), "replicas": replicas}
         for at, replicas in window_peaks(state.recommendations)
@@ -491,32 +488,12 @@ class ClusterAutoscaler:
     async def _post_event(
         self, resource: Mapping[str, Any], role: str, decision: Decision, now: float
     ) -> None:
-        meta = resource["metadata"]
-        namespace = meta.get("namespace") or "default"
-        stamp = _rfc3339(now)
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            # As the Kubernetes event recorder names them: the object, then a unique suffix.
-            "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": meta["name"],
-                "namespace": namespace,
-                "uid": meta.get("uid"),
-            },
-            "reason": SCALED_REASON,
-            "message": f"{role}: {decision.reason}",
-            "type": "Normal",
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        try:
-            await self.kube.create(event)
-        except KubeError as error:
-            # An Event is a courtesy: the scale happened and status says so.
-            logger.warning(f"autoscaler: no Event for {meta['name']}: {error}")
+        event = resource_event(
+            resource,
+            type="Normal",
+            reason=SCALED_REASON,
+            message=f"{role}: {decision.reason}",
+            component=COMPONENT,
+            now=now,
+        )
+        await post_event(self.kube, event, logger)

@@ -13,7 +13,9 @@ For the same reason the autoscaler is not a kopf daemon: each reconcile of a res
 policies the operator drives starts its task in `ClusterAutoscaler` if none runs, and the task
 ends by itself once the resource is gone or has no such policy (`operator/cluster_scaler.py`).
 The report of a resource's LoRA adapters (status.adapters, `operator/adapter_status.py`) runs
-the same way.
+the same way, and so does the rollout controller, which judges a running canary
+(`operator/rollout_controller.py`); a change of the resource's annotations (the canary's
+promote or abort by hand) wakes it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tidegate.operator.kube import OWNED_KINDS, Kube, KubeError
 from tidegate.operator.labels import MANAGED_BY, MANAGED_BY_LABEL, owned_labels
 from tidegate.operator.reconcile import APPLY_FAILED, CRD_NOT_INSTALLED, reconcile
 from tidegate.operator.render import RenderOptions
+from tidegate.operator.rollout_controller import RolloutController
 from tidegate.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 
@@ -51,6 +54,8 @@ class OperatorOptions:
     metrics_port: int | None = None
     # How often status.adapters is refreshed from the engine pods' /metrics.
     adapter_period_s: float = PERIOD_S
+    # How often a running canary's pods are scraped and compared with the stable ones.
+    rollout_period_s: float = PERIOD_S
 
     def retry_delay(self, retry: int) -> float:
         """Seconds to wait after the `retry`-th retry (0: the first attempt) failed."""
@@ -64,6 +69,7 @@ class _State:
         self.kube: Kube | None = None
         self.autoscaler: ClusterAutoscaler | None = None
         self.adapters: AdapterReporter | None = None
+        self.rollouts: RolloutController | None = None
         # The autoscaler's gauges: served from startup on, filled once it runs.
         self.registry = CollectorRegistry()
         self.metrics: web.AppRunner | None = None
@@ -108,6 +114,9 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
                     state.kube, options.autoscale_period_s, registry=state.registry
                 )
                 state.adapters = AdapterReporter(state.kube, options.adapter_period_s)
+                state.rollouts = RolloutController(
+                    state.kube, options.rollout_period_s, reconcile=reconcile_after_verdict
+                )
             else:
                 state.kube.update(info)
         return info
@@ -120,6 +129,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             await state.autoscaler.close()
         if state.adapters is not None:
             await state.adapters.close()
+        if state.rollouts is not None:
+            await state.rollouts.close()
         if state.kube is not None:
             await state.kube.close()
 
@@ -139,6 +150,16 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
                 if key not in state.pending:
                     return
 
+    async def reconcile_after_verdict(namespace: str, name: str) -> None:
+        # The rollout controller promoted or rolled back a canary: apply what that means now.
+        parent = {"metadata": {"name": name, "namespace": namespace}}
+        try:
+            await run(parent, logging.getLogger("tidegate.rollout"))
+        except kopf.TemporaryError as error:
+            logging.getLogger("tidegate.rollout").warning(
+                f"{name} not reconciled after a canary verdict: {error}"
+            )
+
     async def reconcile_once(namespace: str, name: str, logger: Any, retry: int) -> None:
         assert state.kube is not None, "login handler did not run"
         # Read afresh: the body of a queued event may be stale.
@@ -155,6 +176,12 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             state.autoscaler.watch(latest)
         if reason in (None, CRD_NOT_INSTALLED) and state.adapters is not None:
             state.adapters.watch(latest)
+        canary = ((latest.get("spec") or {}).get("rollout") or {}).get("strategy") == "canary"
+        if reason in (None, CRD_NOT_INSTALLED) and canary and state.rollouts is not None:
+            # Read again: the reconcile has just written status.rollout.
+            refreshed = await state.kube.get(API_VERSION, KIND, namespace, name)
+            if refreshed is not None:
+                state.rollouts.watch(refreshed)
         # A spec the operator refuses is in status and not retried: nothing would change until
         # the spec does, and a new spec is a new reconcile. A CRD installed later brings no
         # event of ours, so that pass is retried like a refused apply.
@@ -166,6 +193,12 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
     @kopf.on.resume(*resource, registry=registry)
     async def reconcile_resource(body: kopf.Body, logger: Any, retry: int = 0, **_: Any) -> None:
         await run(body, logger, retry)
+
+    @kopf.on.update(*resource, field="metadata.annotations", registry=registry)
+    async def annotations_changed(body: kopf.Body, **_: Any) -> None:
+        # tidegate.dev/canary: promote | abort, which the rollout controller acts on.
+        if state.rollouts is not None:
+            state.rollouts.watch(body)
 
     async def child_changed(body: kopf.Body, type: str | None, logger: Any, **_: Any) -> None:
         owner = _owner_name(body)
@@ -196,6 +229,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
             state.autoscaler.forget(namespace, meta["name"])
         if state.adapters is not None:
             state.adapters.forget(namespace, meta["name"])
+        if state.rollouts is not None:
+            state.rollouts.forget(namespace, meta["name"])
         if state.kube is None:
             return
         for api_version, kind in OWNED_KINDS:

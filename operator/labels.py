@@ -34,3 +34,10 @@ def child_labels(name: str, component: str) -> dict[str, str]:
 def owned_labels(name: str) -> dict[str, str]:
     """Labels that find every object the operator made for the resource `name`."""
     return {INSTANCE_LABEL: name, MANAGED_BY_LABEL: MANAGED_BY}
+
+
+# On the pods of a canary Deployment (beside the role's selector labels): its own selector
+# adds it, so the stable and canary pods of a role are told apart while the role's Services,
+# PodDisruptionBudget and router still see both.
+TRACK_LABEL = "tidegate.dev/track"
+CANARY_TRACK = "canary"

@@ -54,9 +54,10 @@ def write_table(
     plans: list[Rendered],
     out: TextIO,
     changes: dict[str, list[RoleChange]] | None = None,
+    steps: dict[str, list[str]] | None = None,
 ) -> None:
     """The objects, and the tuned engine flags with the reason for each; with `changes` (by
-    resource name), what the change from the old manifest rolls."""
+    resource name), what the change from the old manifest rolls, and `steps` it goes through."""
     for resource, rendered in zip(resources, plans, strict=True):
         meta = resource["metadata"]
         out.write(f"{meta['name']} ({meta.get('namespace') or 'default'}): {rendered.endpoint}\n\n")
@@ -74,6 +75,10 @@ def write_table(
         if changes is not None:
             out.write(_changes_section(changes.get(meta["name"])))
             out.write("\n")
+            for step in (steps or {}).get(meta["name"], []):
+                out.write(f"  {step}\n")
+            if (steps or {}).get(meta["name"]):
+                out.write("\n")
 
 
 def _changes_section(changes: list[RoleChange] | None) -> str:

@@ -30,6 +30,7 @@ TTFT = "tidegate:time_to_first_token_seconds"
 ITL = "tidegate:inter_token_latency_seconds"
 ROUTER_PENDING = "tidegate:router_pending_requests"
 LORA_ADAPTER_READY = "tidegate:lora_adapter_ready"
+FINISHED = "tidegate:request_success_total"
 
 # name{labels} value [timestamp]; labels as Prometheus writes them (escaped quotes allowed).
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
@@ -77,11 +78,14 @@ class EngineLoad:
     # Cumulative bucket counts by upper bound (`le`), of TTFT and of ITL.
     ttft_buckets: Mapping[float, float] = field(default_factory=dict)
     itl_buckets: Mapping[float, float] = field(default_factory=dict)
+    # Requests finished since the pod started, and those of them that failed.
+    finished: float = 0.0
+    failed: float = 0.0
 
 
 def engine_load(samples: Iterable[Sample]) -> EngineLoad:
     """An engine pod's load from its samples (those of one scrape of its `/metrics`)."""
-    running = waiting = 0.0
+    running = waiting = finished = failed = 0.0
     usage: list[float] = []
     buckets: dict[str, dict[float, float]] = {TTFT: {}, ITL: {}}
     for sample in samples:
@@ -91,6 +95,10 @@ def engine_load(samples: Iterable[Sample]) -> EngineLoad:
             waiting += sample.value
         elif sample.name == KV_USAGE:
             usage.append(sample.value)
+        elif sample.name == FINISHED:
+            finished += sample.value
+            if sample.labels.get("finished_reason") == "error":
+                failed += sample.value
         elif sample.name.endswith("_bucket") and sample.name[: -len("_bucket")] in buckets:
             bound = float(sample.labels.get("le", "+Inf"))
             histogram = buckets[sample.name[: -len("_bucket")]]
@@ -101,6 +109,8 @@ def engine_load(samples: Iterable[Sample]) -> EngineLoad:
         kv_cache_usage=max(usage) if usage else None,
         ttft_buckets=buckets[TTFT],
         itl_buckets=buckets[ITL],
+        finished=finished,
+        failed=failed,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidegate.operator.closed_loop import TUNING_STATUS_KEY, tuning_inputs
 from tidegate.operator.kube import (
     AUTOSCALER_FIELD_MANAGER,
     FIELD_MANAGER,
@@ -25,7 +26,8 @@ from tidegate.operator.kube import (
     KubeError,
 )
 from tidegate.operator.labels import COMPONENT_LABEL, owned_labels, selector_labels
-from tidegate.operator.render import SPEC_HASH, RenderOptions, render
+from tidegate.operator.render import SPEC_HASH, Rendered, RenderOptions, render
+from tidegate.operator.rollout import Staged, is_canary, stage
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import (
     Revision,
@@ -35,14 +37,26 @@ from tidegate.operator.status import (
     role_revisions,
     role_state,
 )
-from tidegate.operator.tuning import TuningError
+from tidegate.operator.tuning import MeasuredChunks, TuningError
 
 # Status keys kopf, the autoscaler and the adapter report keep for themselves; the reconcile
 # neither compares nor overwrites them.
 KOPF_STATUS_KEY = "kopf"
 AUTOSCALING_STATUS_KEY = "autoscaling"
 ADAPTERS_STATUS_KEY = "adapters"
-OTHERS_STATUS_KEYS = {KOPF_STATUS_KEY, AUTOSCALING_STATUS_KEY, ADAPTERS_STATUS_KEY}
+# The rollout controller's report of a running canary (operator/rollout_controller.py).
+CANARY_ANALYSIS_STATUS_KEY = "canaryAnalysis"
+OTHERS_STATUS_KEYS = {
+    KOPF_STATUS_KEY,
+    AUTOSCALING_STATUS_KEY,
+    ADAPTERS_STATUS_KEY,
+    CANARY_ANALYSIS_STATUS_KEY,
+    TUNING_STATUS_KEY,  # closed-loop tuning's (operator/closed_loop.py), which the reconcile reads
+}
+# status.rollout: the last promoted spec and where a change under the canary strategy stands.
+# The reconcile writes it; the rollout controller writes its verdicts into it (a promoted
+# spec, a rolled-back revision), which the reconcile then carries forward.
+ROLLOUT_STATUS_KEY = "rollout"
 # Degraded reasons of a pass that could not apply everything: the handlers retry them.
 APPLY_FAILED = "ApplyFailed"
 # The spec asks for an object whose CRD the cluster lacks: the rest is applied all the same.
@@ -107,8 +121,22 @@ async def reconcile(
     outcome = Outcome()
     effective: dict[str, Any] | None = None
     roles: list[RoleState]
+    previous = {
+        k: v for k, v in (resource.get("status") or {}).items() if k not in OTHERS_STATUS_KEYS
+    }
+    rollout_before = previous.get(ROLLOUT_STATUS_KEY) or {}
+    staged: Staged | None = None
+    live: dict[str, dict[str, Any]] = {}
+    rollout: dict[str, Any] | None = None
+    applied, proposed = tuning_inputs(resource)
     try:
-        rendered = render(dict(resource), options)
+        rendered = render(dict(resource), options, {**applied, **proposed})
+        staged = stage(
+            rendered,
+            _stable_render(resource, rendered, rollout_before, options, logger, applied, proposed),
+            rolled_back=(rollout_before.get("rolledBack") or {}).get("revision"),
+            traffic_percent=rendered.spec.rollout.canary.traffic_percent,
+        )
     except SpecError as error:  # TuningError too
         outcome.error = refusal(error)
     if outcome.error is not None:
@@ -118,36 +146,37 @@ async def reconcile(
         deployments = await kube.list("apps/v1", "Deployment", namespace, owned_labels(name))
         endpoint = (resource.get("status") or {}).get("endpoint", "")
     else:
+        assert staged is not None
         effective = rendered.tuning.to_status()
         endpoint = rendered.endpoint
+        objects = staged.objects
         try:
-            live = await _apply_all(kube, rendered.objects, rendered.scaled, outcome, logger)
-            await _delete_stale(kube, namespace, name, meta.get("uid"), rendered.objects, outcome)
+            live = await _apply_all(kube, objects, rendered.scaled, outcome, logger)
+            await _delete_stale(kube, namespace, name, meta.get("uid"), objects, outcome)
         except KubeError as error:
             outcome.error = (APPLY_FAILED, error.message)
             live = {}
         else:
             if outcome.not_installed:
                 outcome.error = (CRD_NOT_INSTALLED, "; ".join(outcome.not_installed))
+        deployments = [o for o in objects if o["kind"] == "Deployment" and not is_canary(o)]
         roles = [
             role_state(
                 obj["metadata"]["labels"][COMPONENT_LABEL],
                 _desired(obj, live.get(_key(obj)), rendered.scaled),
                 live.get(_key(obj)),
             )
-            for obj in rendered.objects
-            if obj["kind"] == "Deployment"
+            for obj in deployments
         ]
-        deployments = [obj for obj in rendered.objects if obj["kind"] == "Deployment"]
     try:
         revisions = await _revisions(kube, namespace, name, deployments)
     except KubeError as error:
         # Only the revisions' list is missing: the rest of the status still holds.
         logger.warning(f"cannot list the ReplicaSets of {name}: {error.message}")
         revisions = None
-    previous = {
-        k: v for k, v in (resource.get("status") or {}).items() if k not in OTHERS_STATUS_KEYS
-    }
+    change = None
+    if staged is not None and outcome.error is None:
+        rollout, change = rollout_status(resource, staged, rollout_before, live, now=_now())
     status = compute_status(
         generation=meta.get("generation"),
         roles=roles,
@@ -157,7 +186,12 @@ async def reconcile(
         previous=previous,
         now=_now(),
         revisions=revisions or (),
+        change=change,
     )
+    if staged is None or outcome.error is not None:
+        rollout = rollout_before or None  # nothing was applied: what ran still runs
+    if rollout:
+        status[ROLLOUT_STATUS_KEY] = rollout
     if revisions is None and "revisions" in previous:
         status["revisions"] = previous["revisions"]
     patch = merge_patch(previous, status)
@@ -165,6 +199,95 @@ async def reconcile(
         await kube.patch_status(API_VERSION, KIND, namespace, name, patch)
         outcome.status_written = True
     return outcome
+
+
+def _stable_render(
+    resource: Mapping[str, Any],
+    rendered: Rendered,
+    rollout: Mapping[str, Any],
+    options: RenderOptions,
+    logger: logging.Logger | logging.LoggerAdapter,
+    applied: Mapping[str, MeasuredChunks],
+    proposed: Mapping[str, MeasuredChunks],
+) -> Rendered | None:
+    """The render of the last promoted spec (with the promoted closed-loop values), when a
+    change (of the spec, or a closed-loop proposal) is to go through a canary."""
+    stable_spec = rollout.get("stableSpec")
+    if not rendered.spec.canary() or stable_spec is None:
+        return None
+    if stable_spec == resource.get("spec") and not proposed:
+        return None
+    try:
+        return render({**resource, "spec": stable_spec}, options, applied)
+    except SpecError as error:
+        # Written by an operator that read specs differently: nothing to compare with.
+        logger.warning(f"the stable spec no longer renders ({error}); applying the spec as is")
+        return None
+
+
+# The rollout controller's verdicts in status.rollout, which the reconcile carries forward.
+_VERDICTS = ("rolledBack", "lastPromoted")
+
+
+def rollout_status(
+    resource: Mapping[str, Any],
+    staged: Staged,
+    before: Mapping[str, Any],
+    live: Mapping[str, Mapping[str, Any]],
+    *,
+    now: str,
+) -> tuple[dict[str, Any] | None, tuple[str, str, bool] | None]:
+    """status.rollout after applying `staged`, and the condition a pending change sets
+    (reason, message, whether it degrades the resource), or None when the spec is applied."""
+    spec = resource.get("spec") or {}
+    generation = resource["metadata"].get("generation")
+    if staged.mode == "direct":
+        if (spec.get("rollout") or {}).get("strategy") != "canary":
+            return None, None  # rolling: nothing to keep
+        rollout: dict[str, Any] = {"phase": "Stable", "stableSpec": spec}
+        if before.get("stableSpec") == spec and "stableGeneration" in before:
+            rollout["stableGeneration"] = before["stableGeneration"]
+        elif generation is not None:
+            rollout["stableGeneration"] = generation
+        rollout.update({k: before[k] for k in _VERDICTS if before.get(k)})
+        return rollout, None
+    kept = ("stableSpec", "stableGeneration", *_VERDICTS)
+    rollout = {k: v for k, v in before.items() if k in kept and v}
+    roles = ", ".join(staged.roles)
+    if staged.mode == "held":
+        rollout["phase"] = "RolledBack"
+        reason = (before.get("rolledBack") or {}).get("reason", "")
+        return rollout, (
+            "CanaryRolledBack",
+            f"the change of {roles} (revision {staged.revision}) was rolled back: {reason}; "
+            f"the stable pods serve, and the spec is applied once it changes again or the "
+            f"annotation tidegate.dev/canary: promote is set",
+            True,
+        )
+    started = before.get("canary") or {}
+    canary: dict[str, Any] = {
+        "revision": staged.revision,
+        "roles": list(staged.roles),
+        "generation": generation,
+        "startedAt": started.get("startedAt", now)
+        if started.get("revision") == staged.revision
+        else now,
+        "ready": sum(
+            ((live.get(f"Deployment/{obj['metadata']['name']}") or {}).get("status") or {}).get(
+                "readyReplicas", 0
+            )
+            for obj in staged.objects
+            if obj["kind"] == "Deployment" and is_canary(obj)
+        ),
+    }
+    rollout["phase"] = "Canary"
+    rollout["canary"] = canary
+    return rollout, (
+        "CanaryRunning",
+        f"the change of {roles} (revision {staged.revision}) runs on a canary pod beside the "
+        "stable ones; status.canaryAnalysis says how it compares",
+        False,
+    )
 
 
 def _desired(obj: Mapping[str, Any], live: Mapping[str, Any] | None, scaled: frozenset[str]) -> int:

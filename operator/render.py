@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ from tidegate.operator.spec import (
     SpecError,
     parse_spec,
 )
-from tidegate.operator.tuning import DTYPE_BYTES, RoleTuning, Tuning, tune
+from tidegate.operator.tuning import DTYPE_BYTES, MeasuredChunks, RoleTuning, Tuning, tune
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tidegate/engine:0.1.0"
 ENGINE_PORT = 8000
@@ -123,8 +124,14 @@ class Rendered:
     kv_events: bool = False
 
 
-def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Rendered:
-    """The objects an LLMDeployment should own; SpecError/TuningError when it cannot be served."""
+def render(
+    resource: dict[str, Any],
+    options: RenderOptions | None = None,
+    measured: Mapping[str, MeasuredChunks] | None = None,
+) -> Rendered:
+    """The objects an LLMDeployment should own; SpecError/TuningError when it cannot be served.
+
+    `measured`: chunk thresholds and budgets of closed-loop tuning, by role (`tune`)."""
     options = options or RenderOptions()
     meta = resource.get("metadata", {})
     name = meta.get("name", "")
@@ -134,7 +141,7 @@ def render(resource: dict[str, Any], options: RenderOptions | None = None) -> Re
             "characters (lowercase letters, digits, '-'): it names the Services"
         )
     spec = parse_spec(resource.get("spec") or {})
-    tuning = tune(spec)
+    tuning = tune(spec, measured)
     # A unified pool that may reach zero is reached through a router, which holds requests
     # while no engine is ready; the public Service then selects the router. The router is
     # also the endpoint picker of an InferencePool.
@@ -463,6 +470,11 @@ class AdapterLayout:
 
 def _health_check() -> dict[str, Any]:
     return {"httpGet": {"path": "/health", "port": "http"}}
+
+
+def template_digest(*parts: Any) -> str:
+    """The spec hash of a pod template made of `parts` (pod spec, config, template metadata)."""
+    return _digest(*parts)
 
 
 def _digest(*parts: Any) -> str:

@@ -11,14 +11,16 @@ time, an old one removed only once the new one is ready).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from tidegate.operator.labels import COMPONENT_LABEL
-from tidegate.operator.render import SPEC_HASH, Rendered
+from tidegate.operator.labels import CANARY_TRACK, COMPONENT_LABEL, TRACK_LABEL
+from tidegate.operator.render import SPEC_HASH, Rendered, template_digest
 
 # The parts of a pod template worth naming when they change, each a path into it.
 _POD_PARTS: dict[str, tuple[str, ...]] = {
@@ -107,7 +109,7 @@ def _deployments(rendered: Rendered) -> dict[str, dict[str, Any]]:
     return {
         obj["metadata"]["labels"][COMPONENT_LABEL]: obj
         for obj in rendered.objects
-        if obj["kind"] == "Deployment"
+        if obj["kind"] == "Deployment" and not is_canary(obj)
     }
 
 
@@ -151,3 +153,185 @@ def _at(value: Any, path: tuple[str | int, ...]) -> Any:
 
 def _show(value: Any) -> str:
     return "(unset)" if value is None else str(value)
+
+
+# --- canaries ------------------------------------------------------------------------------
+
+# The name a canary Deployment adds to its role's Deployment, and the config file it reads.
+CANARY_SUFFIX = "-canary"
+# metadata.annotations[CANARY_ANNOTATION] = promote | abort decides a canary by hand.
+CANARY_ANNOTATION = "tidegate.dev/canary"
+CANARY_ACTIONS = ("promote", "abort")
+# On a canary's pod template: the change it tries (`canary_revision`). The rollout controller
+# counts only the pods of the change it judges, never one of an earlier canary still stopping.
+CANARY_REVISION = "tidegate.dev/canary-revision"
+
+Mode = Literal["direct", "canary", "held"]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What a reconcile applies for a change under the canary strategy.
+
+    - direct: the spec as it is (nothing to compare with, nothing that rolls, or the strategy
+      is rolling);
+    - canary: the changed roles keep their stable pods, and one canary pod each runs the new
+      template beside them;
+    - held: the change was rolled back; the changed roles keep their stable pods until the
+      spec changes again (or the annotation promotes it by hand).
+    """
+
+    mode: Mode
+    objects: list[dict[str, Any]]
+    # The roles whose pods the change rolls, and a digest of their new templates: the same
+    # change (whatever else is edited meanwhile) keeps its digest, so a rolled-back change is
+    # not tried again until it changes.
+    roles: tuple[str, ...] = ()
+    revision: str = ""
+
+
+def canary_revision(new: Rendered, roles: Sequence[str]) -> str:
+    """A digest of the changed roles' new templates (their spec hashes)."""
+    deployments = _deployments(new)
+    parts = [f"{role}={_hash(deployments[role])}" for role in sorted(roles)]
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
+
+
+def rolled_roles(stable: Rendered, new: Rendered) -> list[str] | None:
+    """The roles whose pod template the change moves; None when the roles themselves change
+    (a mode change, say), which no canary can try."""
+    changes = role_changes(stable, new)
+    if any(change.kind in ("added", "removed") for change in changes):
+        return None
+    return [change.role for change in changes if change.kind == "rolls"]
+
+
+def stage(
+    new: Rendered,
+    stable: Rendered | None,
+    *,
+    rolled_back: str | None,
+    traffic_percent: int,
+) -> Staged:
+    """What to apply for `new` given the last promoted render (None: there is none yet)."""
+    if stable is None or not new.spec.canary():
+        return Staged("direct", new.objects)
+    roles = rolled_roles(stable, new)
+    if not roles:
+        return Staged("direct", new.objects)
+    revision = canary_revision(new, roles)
+    held = revision == rolled_back
+    old_deployments, new_deployments = _deployments(stable), _deployments(new)
+    old_configs = _config_texts(stable)
+    canaries = []
+    objects = []
+    for obj in new.objects:
+        role = (obj["metadata"].get("labels") or {}).get(COMPONENT_LABEL)
+        if obj["kind"] == "Deployment" and role in roles:
+            # The stable pods keep the stable template, at the replicas the spec now asks.
+            kept = copy.deepcopy(old_deployments[role])
+            kept["spec"]["replicas"] = obj["spec"]["replicas"]
+            objects.append(kept)
+            if not held:
+                canary = canary_deployment(new_deployments[role], traffic_percent, revision)
+                canaries.append(canary)
+        elif obj["kind"] == "ConfigMap":
+            config = copy.deepcopy(obj)
+            for role_name in roles:
+                key = f"{role_name}.yaml"
+                if not held:
+                    config["data"][f"{role_name}{CANARY_SUFFIX}.yaml"] = canary_config(
+                        obj["data"][key], traffic_percent
+                    )
+                config["data"][key] = old_configs[key]
+            objects.append(config)
+        else:
+            objects.append(obj)
+    # Right after the stable Deployments: a canary pod starts once its config is there.
+    at = max(i for i, obj in enumerate(objects) if obj["kind"] == "Deployment") + 1
+    objects[at:at] = canaries
+    return Staged("held" if held else "canary", objects, tuple(roles), revision)
+
+
+def canary_config(config: str, traffic_percent: int) -> str:
+    """A role's config file as its canary pod reads it: the new flags, and its track."""
+    return (
+        config
+        + f"# A canary: the router sends it {traffic_percent}% of the role's requests.\n"
+        + f"track: canary\ntraffic-weight: {traffic_percent / 100:g}\n"
+    )
+
+
+def canary_deployment(
+    deployment: Mapping[str, Any], traffic_percent: int, revision: str
+) -> dict[str, Any]:
+    """The one-pod Deployment of a role's canary, from the role's Deployment in the new render."""
+    canary = copy.deepcopy(dict(deployment))
+    role = canary["metadata"]["labels"][COMPONENT_LABEL]
+    canary["metadata"]["name"] += CANARY_SUFFIX
+    canary["metadata"]["labels"][TRACK_LABEL] = CANARY_TRACK
+    spec = canary["spec"]
+    spec["replicas"] = 1
+    spec["selector"]["matchLabels"][TRACK_LABEL] = CANARY_TRACK
+    template = spec["template"]
+    template["metadata"]["labels"][TRACK_LABEL] = CANARY_TRACK
+    container = template["spec"]["containers"][0]
+    container["args"] = [
+        arg.replace(f"/{role}.yaml", f"/{role}{CANARY_SUFFIX}.yaml") for arg in container["args"]
+    ]
+    annotations = template["metadata"]["annotations"]
+    annotations[SPEC_HASH] = template_digest(template["spec"], traffic_percent, annotations)
+    annotations[CANARY_REVISION] = revision
+    return canary
+
+
+def is_canary(obj: Mapping[str, Any]) -> bool:
+    """Whether a Deployment (or pod) is a canary's."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return labels.get(TRACK_LABEL) == CANARY_TRACK
+
+
+def _config_texts(rendered: Rendered) -> dict[str, str]:
+    config_map = next(obj for obj in rendered.objects if obj["kind"] == "ConfigMap")
+    return dict(config_map["data"])
+
+
+def rollout_steps(name: str, before: Rendered, after: Rendered) -> list[str]:
+    """The steps a change of resource `name` from `before` to `after` goes through, in order,
+    as `tidegate plan --from` shows them."""
+    changes = role_changes(before, after)
+    rolling = [c for c in changes if c.kind == "rolls"]
+    if not rolling:
+        return ["no pod restarts"] if all(c.kind != "added" for c in changes) else []
+    staged = stage(after, before, rolled_back=None, traffic_percent=1)
+    if staged.mode != "canary":
+        why = (
+            "rollout.strategy is rolling"
+            if not after.spec.canary()
+            else "the roles themselves change, which no canary can try"
+        )
+        return [f"every changed role rolls at once, surge-first ({why})"]
+    canary = after.spec.rollout.canary
+    policy = canary_policy_sizes(after)
+    names = ", ".join(f"{c.deployment}{CANARY_SUFFIX}" for c in rolling)
+    return [
+        f"1. canary: {names} (1 pod each) run(s) the new template beside the unchanged stable "
+        f"pods and get {canary.traffic_percent}% of the role's requests from the router",
+        f"2. compare with the stable pods at {policy} canary requests: TTFT and ITL may be "
+        f"{canary.latency_margin_percent}% slower (a rank test), failures "
+        f"{canary.error_margin_percent}% more often; a canary pod that restarts, or one not "
+        f"judged good enough within {canary.timeout_seconds} s, is rolled back",
+        "3a. promoted: "
+        + ", ".join(c.deployment for c in rolling)
+        + " roll(s) surge-first to the new template, then the canary is deleted",
+        f"3b. rolled back: the canary is deleted, the stable pods stay, and this change "
+        f"(revision {staged.revision}) is not tried again until the spec changes it",
+        f"by hand: kubectl annotate llmd {name} {CANARY_ANNOTATION}=promote (or abort)",
+    ]
+
+
+def canary_policy_sizes(rendered: Rendered) -> str:
+    """The canary's look sizes, as "100, 200, 400 and 800"."""
+    canary = rendered.spec.rollout.canary
+    sizes = [str(canary.min_requests * 2**i) for i in range(canary.looks)]
+    return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} and {sizes[-1]}"

@@ -421,6 +421,60 @@ class GatewaySpec(SpecModel):
     )
 
 
+class CanarySpec(SpecModel):
+    """How a canary is run and judged."""
+
+    traffic_percent: int = Field(
+        10, ge=1, le=50, description="Share of the role's requests the router sends the canary."
+    )
+    latency_margin_percent: int = Field(
+        20,
+        ge=1,
+        le=100,
+        description="How much slower (TTFT, ITL) than the stable pods the canary may be",
+    )
+    error_margin_percent: int = Field(
+        1,
+        ge=1,
+        le=50,
+        description="How many more failed requests, in percent of its requests, the canary may have.",
+    )
+    min_requests: int = Field(
+        100, ge=10, le=100_000, description="Requests each side finishes before the first look."
+    )
+    looks: int = Field(4, ge=1, le=10, description="Looks at minRequests, 2x, 4x... requests")
+    timeout_seconds: int = Field(
+        3600,
+        ge=60,
+        le=7 * 86400,
+        description="A canary not judged good enough by then is rolled back.",
+    )
+
+
+class RolloutSpec(SpecModel):
+    """How a change of a role's pods (image, engine flags, tuning) reaches them."""
+
+    strategy: Literal["rolling", "canary"] = Field(
+        "rolling",
+        description="rolling: every changed role rolls at once, surge-first. canary: one pod "
+        "of the change first, behind the router",
+    )
+    canary: CanarySpec = CanarySpec()
+
+
+class TuningSpec(SpecModel):
+    """Where the chunk threshold and the step budget come from."""
+
+    mode: Literal["static", "closed-loop"] = Field(
+        "static",
+        description="static: the cost model, once (status.effective.reasons). closed-loop: "
+        "the operator refits the cost model per role from the engines' step times",
+    )
+    window_seconds: int = Field(
+        300, ge=10, le=86400, description="Step times gathered before each proposal."
+    )
+
+
 class SecretKeyRef(SpecModel):
     """A key of a Secret in the resource's namespace."""
 
@@ -576,9 +630,17 @@ ZERO_NEEDS_ROUTER = (
     "minReplicas 0 needs a router to hold requests: topology.router.replicas must be at least 1"
 )
 UNIFIED_ROUTER_NEEDS_ZERO = (
-    "topology.router in unified mode is for a pool that may reach zero or for the endpoint "
-    "picker of an InferencePool: it needs autoscaling.unified.minReplicas 0 or "
-    "gateway.inferencePool true"
+    "topology.router in unified mode is for a pool that may reach zero, for the endpoint "
+    "picker of an InferencePool or for a canary's share of requests: it needs "
+    "autoscaling.unified.minReplicas 0, gateway.inferencePool true or rollout.strategy canary"
+)
+CLOSED_LOOP_NEEDS_CANARY = (
+    "tuning.mode closed-loop needs rollout.strategy canary: every proposal is tried on a "
+    "canary pod before it reaches the others"
+)
+CANARY_NEEDS_ROUTER = (
+    "rollout.strategy canary needs the router, which gives the canary its share of requests: "
+    "topology.router.replicas must be at least 1"
 )
 INFERENCE_POOL_NEEDS_ROUTER = (
     "gateway.inferencePool needs the router, its endpoint picker: topology.router.replicas "
@@ -620,11 +682,23 @@ class LLMDeploymentSpec(SpecModel):
     gateway: GatewaySpec = GatewaySpec()
     auth: AuthSpec | None = None
     autoscaling: AutoscalingSpec | None = None
+    rollout: RolloutSpec = RolloutSpec()
+    tuning: TuningSpec = TuningSpec()
+
+    @model_validator(mode="after")
+    def _closed_loop_needs_canary(self) -> LLMDeploymentSpec:
+        if self.tuning.mode == "closed-loop" and self.rollout.strategy != "canary":
+            raise ValueError(CLOSED_LOOP_NEEDS_CANARY)
+        router = self.topology.router
+        if self.rollout.strategy == "canary" and router is not None and router.replicas == 0:
+            raise ValueError(CANARY_NEEDS_ROUTER)
+        return self
 
     @model_validator(mode="after")
     def _autoscaling_fits_topology(self) -> LLMDeploymentSpec:
         unified_router = self.topology.mode == "unified" and self.topology.router is not None
-        if unified_router and not (self.unified_may_reach_zero() or self.gateway.inference_pool):
+        behind = self.unified_may_reach_zero() or self.gateway.inference_pool or self.canary()
+        if unified_router and not behind:
             raise ValueError(UNIFIED_ROUTER_NEEDS_ZERO)
         # The InferencePool names the router's picker: with no router pod, a Gateway that
         # fails closed refuses every request.
@@ -660,13 +734,18 @@ class LLMDeploymentSpec(SpecModel):
         return self
 
     def has_router(self) -> bool:
-        """Whether a router is in front: when disaggregated, of a pool that may reach zero, or
-        to serve an InferencePool's endpoint picker."""
+        """Whether a router is in front: when disaggregated, of a pool that may reach zero, to
+        serve an InferencePool's endpoint picker, or to give a canary its share of requests."""
         return (
             self.topology.mode == "disaggregated"
             or self.unified_may_reach_zero()
             or self.gateway.inference_pool
+            or self.canary()
         )
+
+    def canary(self) -> bool:
+        """Whether a change of a role's pods goes to a canary pod first."""
+        return self.rollout.strategy == "canary"
 
     def unified_may_reach_zero(self) -> bool:
         """Whether a unified pool's policy lets it go to zero: a router then stands in front."""

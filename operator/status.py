@@ -155,18 +155,25 @@ def compute_status(
     previous: Mapping[str, Any],
     now: str,
     revisions: Sequence[Revision] = (),
+    change: tuple[str, str, bool] | None = None,
 ) -> dict[str, Any]:
-    """The whole status (less kopf's bookkeeping); `error` is (reason, message) or None."""
+    """The whole status (less kopf's bookkeeping); `error` is (reason, message) or None.
+
+    `change` is a change the canary strategy holds back (reason, message, degraded): a canary
+    that runs (Progressing) or one rolled back (Degraded); the spec is not applied meanwhile.
+    """
     conditions_before = list(previous.get("conditions") or [])
     rolling = [r for r in roles if not r.done]
     stuck = [r for r in roles if r.stuck]
     empty = [r for r in roles if r.desired == 0]
-    ready = not rolling and not empty and error is None and bool(roles)
+    ready = not rolling and not empty and error is None and change is None and bool(roles)
 
     if ready:
         ready_reason, ready_message = "AllRolesReady", "every pod runs the current spec"
     elif error is not None:
         ready_reason, ready_message = error[0], error[1]
+    elif change is not None:
+        ready_reason, ready_message = change[0], change[1]
     elif empty:
         names = ", ".join(r.role for r in empty)
         ready_reason, ready_message = "ScaledToZero", f"{names} has 0 replicas"
@@ -175,6 +182,8 @@ def compute_status(
 
     if rolling:
         progressing = (True, "RollingOut", _describe_rollout(rolling))
+    elif change is not None and not change[2]:
+        progressing = (True, change[0], change[1])
     else:
         progressing = (False, "RolloutComplete", "every role runs the current spec")
 
@@ -183,6 +192,8 @@ def compute_status(
     elif stuck:
         message = "; ".join(f"{r.role}: {r.stuck}" for r in stuck)
         degraded = (True, "RolloutStuck", message)
+    elif change is not None and change[2]:
+        degraded = (True, change[0], change[1])
     else:
         degraded = (False, "AsExpected", "nothing is wrong")
 
@@ -198,7 +209,7 @@ def compute_status(
         phase = "Degraded"
     elif ready:
         phase = "Ready"
-    elif rolling:
+    elif rolling or change is not None:
         phase = "Progressing"
     else:
         phase = "Pending"

@@ -55,6 +55,7 @@ from tidegate.operator.render import (
     RenderOptions,
     render,
 )
+from tidegate.operator.rollout import CANARY_SUFFIX
 from tidegate.operator.spec import LLMDeploymentSpec, SpecError
 from tidegate.operator.up_adapters import (
     AdapterError,
@@ -94,6 +95,8 @@ class LocalPod:
     active: bool = True
     # Set while a pod turned off drains (SIGTERM, then its in-flight requests finish).
     draining: threading.Thread | None = None
+    # "canary": the one pod of a role that runs a change first (operator/up_rollout.py).
+    track: str = "stable"
 
     @property
     def url(self) -> str:
@@ -196,15 +199,17 @@ def plan(
     rendered = render(resource, RenderOptions())
     policies = rendered.spec.autoscaling.policies() if rendered.spec.autoscaling else {}
     config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
-    config_dir = local_config_dir(workdir)
-    config_dir.mkdir(parents=True, exist_ok=True)
-    secret_dir = _local_secrets(rendered, workdir)
-    cache_dir = _local_cache(rendered.spec, workdir)
+    local = LocalConfig(
+        local_config_dir(workdir),
+        _local_secrets(rendered, workdir),
+        _local_cache(rendered.spec, workdir),
+    )
+    local.config_dir.mkdir(parents=True, exist_ok=True)
+    config_dir = local.config_dir
     for key, text in config_map["data"].items():
         if key == ADAPTERS_KEY:
             continue  # the pods' mounts: written below with this machine's folders
-        text = text.replace(SECRET_DIR, str(secret_dir)).replace(CACHE_DIR, str(cache_dir))
-        (config_dir / key).write_text(text.replace(CONFIG_DIR, str(config_dir)))
+        local.write(key, text)
     if rendered.spec.adapters is not None:
         local = local_adapters(rendered.spec, workdir, claim_dirs)
         try:
@@ -226,14 +231,42 @@ def plan(
             start = starting_replicas(policies[role], pool.replicas)
         else:
             count = start = deployment["spec"]["replicas"]
+        args = [a.replace(CONFIG_DIR, str(config_dir)) for a in container["args"]]
         for index in range(count):
-            args = [a.replace(CONFIG_DIR, str(config_dir)) for a in container["args"]]
             name = f"{deployment['metadata']['name']}-{index}"
             command = [*tidegate_command(), *args]
             pod = LocalPod(role, name, command, 0, workdir / f"{name}.log", active=index < start)
             pods.append(pod)
+        if rendered.spec.canary() and role != "router":
+            # Off until a change of the manifest runs on it; the router knows it from the start.
+            name = f"{deployment['metadata']['name']}{CANARY_SUFFIX}"
+            canary_args = [a.replace(f"/{role}.yaml", f"/{role}{CANARY_SUFFIX}.yaml") for a in args]
+            command = [*tidegate_command(), *canary_args]
+            log = workdir / f"{name}.log"
+            pods.append(LocalPod(role, name, command, 0, log, active=False, track="canary"))
     _assign_ports_and_flags(pods, model_dir, port, rendered, autoscaled=set(policies))
     return pods, rendered.spec
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """The folders standing for a pod's mounts: the ConfigMap's, the Secret's, the cache's."""
+
+    config_dir: Path
+    secret_dir: Path
+    cache_dir: Path
+
+    def write(self, key: str, text: str) -> Path:
+        """A file of the ConfigMap, with its paths made this machine's."""
+        text = text.replace(SECRET_DIR, str(self.secret_dir)).replace(
+            CACHE_DIR, str(self.cache_dir)
+        )
+        path = self.config_dir / key
+        # A new file renamed over the old: a process that starts meanwhile reads a whole one.
+        partial = path.with_name(f".{key}.partial")
+        partial.write_text(text.replace(CONFIG_DIR, str(self.config_dir)))
+        partial.replace(path)
+        return path
 
 
 def local_config_dir(workdir: Path) -> Path:
@@ -330,7 +363,7 @@ def _assign_ports_and_flags(
         command += ["--decode", *(p.url for p in engines)]
         log = engines[0].log_path.with_name("balancer.log")
         pods.append(LocalPod("router", "balancer", command, port, log))
-    if autoscaled:
+    if autoscaled or rendered.spec.canary():
         # The router's health checks find a started or drained replica within a second.
         for pod in pods:
             if pod.role == "router":
@@ -520,6 +553,25 @@ def _start_autoscaler(
     threading.Thread(target=scaler.run, args=(stopping,), name="up-autoscaler", daemon=True).start()
 
 
+def _start_rollout(
+    file: Path,
+    resource: dict[str, Any],
+    pods: list[LocalPod],
+    spec: LLMDeploymentSpec,
+    workdir: Path,
+    stopping: threading.Event,
+) -> None:
+    """The canary of each change of the manifest's engine pods, on a thread, until `stopping`."""
+    from tidegate.operator.up_rollout import LocalRollout
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
+    config = LocalConfig(
+        local_config_dir(workdir), workdir / "secrets", _local_cache(spec, workdir)
+    )
+    rollout = LocalRollout(file, resource, pods, config)
+    threading.Thread(target=rollout.run, args=(stopping,), name="up-rollout", daemon=True).start()
+
+
 def table(pods: list[LocalPod]) -> Iterator[str]:
     """The lines `tidegate up` prints: role, name, pid, URL, tuned flags."""
     yield f"{'ROLE':8} {'NAME':28} {'PID':>7}  {'URL':24} FLAGS"
@@ -576,9 +628,12 @@ def run_up(
         print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
         _start_autoscaler(spec, pods, port, supervisor.stopping)
         watcher = adapter_watcher(Path(file), resource, spec, workdir, claim_dirs)
+        watcher.others_followed = spec.canary()
         threading.Thread(
             target=watcher.run, args=(supervisor.stopping,), name="up-adapters", daemon=True
         ).start()
+        if spec.canary():
+            _start_rollout(Path(file), resource, pods, spec, workdir, supervisor.stopping)
         while not supervisor.stopping.wait(1.0):
             pass
         return 0

@@ -141,6 +141,8 @@ class AdapterWatcher:
         self._started = _beside_adapters(resource)
         self._lora = (resource.get("spec") or {}).get("adapters") is not None
         self._written = written
+        # Under rollout.strategy canary the other changes of the spec are up_rollout's.
+        self.others_followed = False
 
     def _saved(self) -> tuple[int, str]:
         """The manifest's modification time and text: a save changes one or both."""
@@ -164,7 +166,7 @@ class AdapterWatcher:
         except SpecError as error:
             return Update(error=str(error))
         restart = []
-        if _beside_adapters(resource) != self._started:
+        if _beside_adapters(resource) != self._started and not self.others_followed:
             restart.append("the spec changed beyond spec.adapters")
         if spec.adapters is not None and not self._lora:
             restart.append("spec.adapters turns LoRA on, which the running engines started without")

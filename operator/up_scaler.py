@@ -92,7 +92,7 @@ def autoscaled_pools(spec: LLMDeploymentSpec, pods: list[LocalPod]) -> list[Loca
     slo = spec.scheduling.slo
     pools = []
     for role, policy in policies.items():
-        members = [pod for pod in pods if pod.role == role]
+        members = [pod for pod in pods if pod.role == role and pod.track == "stable"]
         targets = pool_targets(policy, role, spec.scheduling.max_num_seqs, slo.ttft_ms, slo.itl_ms)
         pools.append(LocalPool(role, policy, targets, members))
     return pools

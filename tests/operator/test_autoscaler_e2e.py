@@ -95,9 +95,18 @@ def serve(expositions: list[Exposition], text: str) -> Exposition:
     return page
 
 
-def add_pod(cluster: EmulatedCluster, name: str, owner: str, role: str, page: Exposition) -> None:
+def add_pod(
+    cluster: EmulatedCluster,
+    name: str,
+    owner: str,
+    role: str,
+    page: Exposition,
+    *,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> None:
     """Play the ReplicaSet and the kubelet: a ready pod of `owner`'s `role` pool, 30 s after
-    its creation, serving `page`."""
+    its creation, serving `page` (with more `labels` and `annotations`, as a canary's)."""
     created = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=30)
     ready = created + datetime.timedelta(seconds=25)
     stamp = "%Y-%m-%dT%H:%M:%SZ"
@@ -108,7 +117,8 @@ def add_pod(cluster: EmulatedCluster, name: str, owner: str, role: str, page: Ex
             "metadata": {
                 "name": name,
                 "namespace": NS,
-                "labels": selector_labels(owner, role),
+                "labels": selector_labels(owner, role) | (labels or {}),
+                "annotations": annotations or {},
                 "creationTimestamp": created.strftime(stamp),
             },
             "spec": {

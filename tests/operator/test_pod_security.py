@@ -233,6 +233,7 @@ def test_pods_that_serve_kv_blocks_or_events_have_a_network_policy(scan) -> None
         "disaggregated-gpu": {"prefill", "decode"},
         "example-autoscaling-tiny-0": {"unified"},  # minReplicas 0: behind a router
         "example-gateway-tiny-0": {"unified"},
+        "example-canary-tiny-0": {"unified"},  # a canary's share: behind a router
     }
     assert not [check for check in failed if "/component-prefill." in check["resource"]]
     behind_a_router = {
