@@ -51,7 +51,7 @@ from tidegate.operator.autoscaler import (
     pool_targets,
 )
 from tidegate.operator.events import post_event, resource_event, rfc3339
-from tidegate.operator.kube import AUTOSCALER_FIELD_MANAGER, Kube, KubeError
+from tidegate.operator.kube import AUTOSCALER_FIELD_MANAGER, Kube
 from tidegate.operator.labels import selector_labels
 from tidegate.operator.pool_metrics import (
     EngineLoad,
@@ -62,6 +62,7 @@ from tidegate.operator.pool_metrics import (
 )
 from tidegate.operator.reconcile import AUTOSCALING_STATUS_KEY, replicas_body
 from tidegate.operator.render import deployment_name
+from tidegate.operator.resource_tasks import ResourceTasks
 from tidegate.operator.spec import (
     API_VERSION,
     KIND,
@@ -128,7 +129,8 @@ def metrics_url(pod: Mapping[str, Any]) -> str | None:
     return f"http://{host}:{ports[0]['containerPort']}/metrics"
 
 
-def _parse_time(text: str | None) -> float | None:
+def parse_time(text: str | None) -> float | None:
+    """A Kubernetes time (RFC 3339) in seconds since the epoch; None when absent or unreadable."""
     if not text:
         return None
     try:
@@ -141,8 +143,8 @@ def start_time_s(pod: Mapping[str, Any]) -> float | None:
     """Seconds from the pod's creation to its readiness; None while it is not ready."""
     if not is_ready(pod):
         return None
-    created = _parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
-    ready = _parse_time((_condition(pod, "Ready") or {}).get("lastTransitionTime"))
+    created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+    ready = parse_time((_condition(pod, "Ready") or {}).get("lastTransitionTime"))
     if created is None or ready is None:
         return None
     return max(0.0, ready - created)
@@ -276,8 +278,11 @@ class _Pool:
     written: dict[str, Any] | None = None
 
 
-class ClusterAutoscaler:
+class ClusterAutoscaler(ResourceTasks):
     """Runs one autoscaling task per LLMDeployment that the operator's driver scales."""
+
+    what = "autoscaler"
+    look_now = False
 
     def __init__(
         self,
@@ -287,8 +292,7 @@ class ClusterAutoscaler:
         clock: Callable[[], float] = time.time,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.kube = kube
-        self.period_s = period_s
+        super().__init__(kube, period_s, logger)
         self.clock = clock
         self._scrape = Scraper(fetch)
         self.registry = registry or CollectorRegistry()
@@ -298,62 +302,27 @@ class ClusterAutoscaler:
             ["namespace", "llmdeployment", "role"],
             registry=self.registry,
         )
-        self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.pools: dict[tuple[str, str, str], _Pool] = {}
 
-    # -- the tasks -------------------------------------------------------------------------
+    # -- the tasks (operator/resource_tasks.py) ---------------------------------------------
 
-    def watch(self, resource: Mapping[str, Any]) -> None:
-        """Start the resource's task if the operator drives a policy of it (or its status
-        still holds an entry of one) and none runs."""
-        meta = resource["metadata"]
-        key = (meta.get("namespace") or "default", meta["name"])
-        task = self.tasks.get(key)
-        if task is not None and not task.done():
-            return
+    def wants(self, resource: Mapping[str, Any]) -> bool:
+        """Whether the operator drives a policy of it, or its status still holds an entry of
+        one: a policy dropped while no operator ran leaves its entry, which one pass clears."""
         policies = operator_policies(resource)
-        # A policy dropped while no operator ran leaves its entry: one pass clears it.
         stale = policies == {} and (resource.get("status") or {}).get(AUTOSCALING_STATUS_KEY)
-        if not policies and not stale:
-            return
-        self.tasks[key] = asyncio.get_running_loop().create_task(
-            self._run(*key), name=f"autoscaler {key[0]}/{key[1]}"
-        )
-
-    def forget(self, namespace: str, name: str) -> None:
-        """Stop the resource's task (it was deleted)."""
-        task = self.tasks.pop((namespace, name), None)
-        if task is not None:
-            task.cancel()
+        return bool(policies or stale)
 
     async def close(self) -> None:
         """Stop every task and release the scrape connections."""
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().close()
         await self._scrape.close()
 
-    async def _run(self, namespace: str, name: str) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.period_s)
-                try:
-                    resource = await self.kube.get(API_VERSION, KIND, namespace, name)
-                    if resource is None or resource["metadata"].get("deletionTimestamp"):
-                        return
-                    if not await self.step(resource):
-                        return
-                except KubeError as error:
-                    logger.warning(f"autoscaler {namespace}/{name}: {error}; next period")
-                except Exception:
-                    logger.exception(f"autoscaler {namespace}/{name} failed; next period")
-        finally:
-            for key in [k for k in self.pools if k[:2] == (namespace, name)]:
-                self.pools.pop(key)
-                self._drop_gauge(*key)
-            if self.tasks.get((namespace, name)) is asyncio.current_task():
-                self.tasks.pop((namespace, name))
+    def ended(self, namespace: str, name: str) -> None:
+        """Its pools go, with their state and gauges."""
+        for key in [k for k in self.pools if k[:2] == (namespace, name)]:
+            self.pools.pop(key)
+            self._drop_gauge(*key)
 
     def _drop_gauge(self, namespace: str, name: str, role: str) -> None:
         with contextlib.suppress(KeyError):  # never set: its pool had no Deployment yet

@@ -1,8 +1,8 @@
 """One asyncio task per LLMDeployment that needs one, started by the reconcile.
 
-The adapter report (operator/adapter_status.py) and the rollout controller
-(operator/rollout_controller.py) look at a resource's pods every period, and at once after a
-reconcile applied the resource. They are not kopf daemons or timers: kopf guards those with a
+The autoscaler (operator/cluster_scaler.py), the adapter report (operator/adapter_status.py)
+and the rollout controller (operator/rollout_controller.py) look at a resource's pods every
+period; the last two also at once when started and after each reconcile (`look_now`). They are not kopf daemons or timers: kopf guards those with a
 finalizer, which writes to every resource and blocks its deletion while the operator is gone.
 Each task ends when the resource is gone or `step` says there is nothing left to do; the
 next reconcile that needs it starts it again. A refused API call or a failed scrape is logged
@@ -26,6 +26,9 @@ class ResourceTasks:
 
     # What the tasks do, for their names and log lines.
     what = "task"
+    # Look when the task starts and whenever `watch` is called for it again; False: only
+    # every period (the autoscaler's decisions keep to its pace).
+    look_now = True
 
     def __init__(self, kube: Kube, period_s: float, logger: logging.Logger) -> None:
         self.kube = kube
@@ -42,6 +45,9 @@ class ResourceTasks:
         """One look at one resource; False when there is nothing left to do."""
         raise NotImplementedError
 
+    def ended(self, namespace: str, name: str) -> None:
+        """The resource's task ends (nothing left to do, the resource gone, or cancelled)."""
+
     def watch(self, resource: Mapping[str, Any]) -> None:
         """After a reconcile applied `resource`: start its task if it needs one and none runs,
         else have the running one look now (what it watches may have just changed)."""
@@ -49,7 +55,8 @@ class ResourceTasks:
         key = (meta.get("namespace") or "default", meta["name"])
         task = self.tasks.get(key)
         if task is not None and not task.done():
-            self._wake[key].set()
+            if self.look_now:
+                self._wake[key].set()
             return
         if not self.wants(resource):
             return
@@ -74,8 +81,13 @@ class ResourceTasks:
     async def _run(self, namespace: str, name: str) -> None:
         key = (namespace, name)
         wake = self._wake[key]
+        first = True
         try:
             while True:
+                if not (first and self.look_now):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), self.period_s)
+                first = False
                 wake.clear()
                 try:
                     resource = await self.kube.get(API_VERSION, KIND, namespace, name)
@@ -87,9 +99,8 @@ class ResourceTasks:
                     self.logger.warning(f"{self.what} of {namespace}/{name}: {error}; next period")
                 except Exception:
                     self.logger.exception(f"{self.what} of {namespace}/{name} failed; next period")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.period_s)
         finally:
+            self.ended(namespace, name)
             if self.tasks.get(key) is asyncio.current_task():
                 self.tasks.pop(key)
                 self._wake.pop(key, None)
