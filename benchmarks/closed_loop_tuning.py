@@ -316,28 +316,32 @@ def summary_line(run: dict) -> str:
 
 
 def readme(args, sweep: dict, iterations: list, targets: dict, slo_ms: float) -> None:
-    rows = [
-        [
-            f"fixed {run['threshold']}",
+
+    def row(label: str, run: dict, proposal: object) -> list:
+        return [
+            label,
             lookup(run, "itl_ms", "p90"),
             lookup(run, "itl_ms", "p99"),
             run["steps"]["mixed"]["share_over_slo"],
             run["mixed_step_p90_ms"],
             run["output_token_throughput"],
-            run["proposal"]["threshold"] if run["fit"]["ok"] else "no fit",
+            proposal,
         ]
+
+    rows = [
+        row(
+            f"fixed {run['threshold']}",
+            run,
+            run["proposal"]["threshold"] if run["fit"]["ok"] else "no fit",
+        )
         for run in sweep.values()
     ]
     rows += [
-        [
+        row(
             f"loop {it['iteration']}: {it['threshold']}",
-            lookup(it, "itl_ms", "p90"),
-            lookup(it, "itl_ms", "p99"),
-            it["steps"]["mixed"]["share_over_slo"],
-            it["mixed_step_p90_ms"],
-            it["output_token_throughput"],
+            it,
             it["proposal"]["threshold"] if it["proposal"]["change"] else "no change",
-        ]
+        )
         for it in iterations
     ]
     update_readme(

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidegate.operator.step_fit import StepTotals, fit_steps, propose
+from tidegate.operator.render import Rendered
+from tidegate.operator.step_fit import StepTotals, fit_steps, propose, window
 from tidegate.operator.tuning import MeasuredChunks, RoleTuning
 
 TUNING_STATUS_KEY = "tuning"
@@ -67,6 +68,34 @@ class RoleWindow:
 
     started: float
     before: dict[str, StepTotals] = field(default_factory=dict)
+
+
+def look(
+    windows: dict[str, RoleWindow],
+    rendered: Rendered,
+    role: str,
+    readings: dict[str, StepTotals],
+    now: float,
+    rejected: list[int],
+) -> tuple[dict[str, Any] | None, dict[str, Any]] | None:
+    """One reading of a tuned role's pods: None while its window runs (the first reading
+    begins it); at the window's end, `role_proposal` for it, and a new window begins."""
+    current = windows.get(role)
+    spec = rendered.spec
+    if current is not None and now - current.started < spec.tuning.window_seconds:
+        return None
+    windows[role] = RoleWindow(now, readings)
+    if current is None:
+        return None
+    return role_proposal(
+        rendered.tuning.roles[role],
+        window(current.before, readings),
+        itl_slo_ms=spec.scheduling.slo.itl_ms,
+        max_num_seqs=spec.scheduling.max_num_seqs,
+        block_size=spec.scheduling.block_size,
+        max_model_len=spec.model.max_model_len,
+        rejected=rejected,
+    )
 
 
 def role_proposal(

@@ -10,13 +10,14 @@ controller and the reconcile never undo each other.
 
 from __future__ import annotations
 
-import datetime
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tidegate.operator.closed_loop import TUNING_STATUS_KEY, tuning_inputs
+from tidegate.operator.events import rfc3339
 from tidegate.operator.kube import (
     AUTOSCALER_FIELD_MANAGER,
     FIELD_MANAGER,
@@ -105,10 +106,6 @@ def _key(obj: Mapping[str, Any]) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def reconcile(
     kube: Kube,
     resource: Mapping[str, Any],
@@ -175,8 +172,9 @@ async def reconcile(
         logger.warning(f"cannot list the ReplicaSets of {name}: {error.message}")
         revisions = None
     change = None
+    now = rfc3339(time.time())
     if staged is not None and outcome.error is None:
-        rollout, change = rollout_status(resource, staged, rollout_before, live, now=_now())
+        rollout, change = rollout_status(resource, staged, rollout_before, live, now=now)
     status = compute_status(
         generation=meta.get("generation"),
         roles=roles,
@@ -184,7 +182,7 @@ async def reconcile(
         endpoint=endpoint,
         error=outcome.error,
         previous=previous,
-        now=_now(),
+        now=now,
         revisions=revisions or (),
         change=change,
     )

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tidegate.operator.canary_judge import policy_of
 from tidegate.operator.labels import CANARY_TRACK, COMPONENT_LABEL, TRACK_LABEL
 from tidegate.operator.render import SPEC_HASH, Rendered, template_digest
 
@@ -312,7 +313,8 @@ def rollout_steps(name: str, before: Rendered, after: Rendered) -> list[str]:
         )
         return [f"every changed role rolls at once, surge-first ({why})"]
     canary = after.spec.rollout.canary
-    policy = canary_policy_sizes(after)
+    sizes = [str(size) for size in policy_of(after.spec).look_sizes()]
+    policy = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} and {sizes[-1]}"
     names = ", ".join(f"{c.deployment}{CANARY_SUFFIX}" for c in rolling)
     return [
         f"1. canary: {names} (1 pod each) run(s) the new template beside the unchanged stable "
@@ -328,10 +330,3 @@ def rollout_steps(name: str, before: Rendered, after: Rendered) -> list[str]:
         f"(revision {staged.revision}) is not tried again until the spec changes it",
         f"by hand: kubectl annotate llmd {name} {CANARY_ANNOTATION}=promote (or abort)",
     ]
-
-
-def canary_policy_sizes(rendered: Rendered) -> str:
-    """The canary's look sizes, as "100, 200, 400 and 800"."""
-    canary = rendered.spec.rollout.canary
-    sizes = [str(canary.min_requests * 2**i) for i in range(canary.looks)]
-    return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} and {sizes[-1]}"

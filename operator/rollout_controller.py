@@ -27,7 +27,6 @@ live in memory: an operator that restarts begins the canary's windows again.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -41,10 +40,10 @@ from tidegate.operator.closed_loop import (
     TUNING_STATUS_KEY,
     RoleWindow,
     closed_loop,
-    role_proposal,
+    look,
     tuning_inputs,
 )
-from tidegate.operator.cluster_scaler import PERIOD_S, Fetch, Scraper
+from tidegate.operator.cluster_scaler import PERIOD_S, Fetch, Scraper, parse_time
 from tidegate.operator.events import post_event, resource_event, rfc3339
 from tidegate.operator.kube import Kube
 from tidegate.operator.labels import selector_labels
@@ -54,7 +53,7 @@ from tidegate.operator.render import RenderOptions, render
 from tidegate.operator.resource_tasks import ResourceTasks
 from tidegate.operator.rollout import CANARY_ANNOTATION, CANARY_REVISION, is_canary
 from tidegate.operator.spec import API_VERSION, KIND, LLMDeploymentSpec, SpecError, parse_spec
-from tidegate.operator.step_fit import parse_step_totals, window
+from tidegate.operator.step_fit import parse_step_totals
 
 logger = logging.getLogger("tidegate.rollout")
 COMPONENT = "tidegate-rollout"
@@ -121,7 +120,8 @@ class RolloutController(ResourceTasks):
             return False  # the reconcile reports it; the canary keeps running meanwhile
         state = self.canaries.get(key)
         if state is None or state.revision != canary["revision"]:
-            state = CanaryState(canary["revision"], _started(canary, self._clock()))
+            started = parse_time(canary.get("startedAt"))
+            state = CanaryState(canary["revision"], started or self._clock())
             self.canaries[key] = state
         verdict, analysis = await self._judge(resource, spec, canary, state)
         previous = status.get(CANARY_ANALYSIS_STATUS_KEY)
@@ -216,7 +216,6 @@ class RolloutController(ResourceTasks):
         if tuning.get("proposed"):
             return  # its canary is about to start
         try:
-            spec = parse_spec(resource.get("spec") or {})
             applied, _ = tuning_inputs(resource)
             rendered = render(dict(resource), RenderOptions(), applied)
         except SpecError:
@@ -229,22 +228,11 @@ class RolloutController(ResourceTasks):
             pods = await self.kube.list("v1", "Pod", key[0], selector_labels(key[1], role))
             texts = await self._scrape.ready_pods([p for p in pods if not is_canary(p)])
             readings = {pod: parse_step_totals(text) for pod, text in texts.items()}
-            current = windows.get(role)
-            if current is None:
-                windows[role] = RoleWindow(now, readings)
+            rejected = list((tuning.get("rejected") or {}).get(role) or [])
+            looked = look(windows, rendered, role, readings, now, rejected)
+            if looked is None:
                 continue
-            if now - current.started < spec.tuning.window_seconds:
-                continue
-            windows[role] = RoleWindow(now, readings)
-            entry, last = role_proposal(
-                rendered.tuning.roles[role],
-                window(current.before, readings),
-                itl_slo_ms=spec.scheduling.slo.itl_ms,
-                max_num_seqs=spec.scheduling.max_num_seqs,
-                block_size=spec.scheduling.block_size,
-                max_model_len=spec.model.max_model_len,
-                rejected=list((tuning.get("rejected") or {}).get(role) or []),
-            )
+            entry, last = looked
             last_fit[role] = {**last, "at": rfc3339(now)}
             if entry is not None:
                 proposals[role] = entry
@@ -310,14 +298,3 @@ def _revision(pod: Mapping[str, Any]) -> str | None:
 def _restarts(pod: Mapping[str, Any]) -> int:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return sum(int(s.get("restartCount", 0)) for s in statuses)
-
-
-def _started(canary: Mapping[str, Any], now: float) -> float:
-    text = canary.get("startedAt")
-    if not text:
-        return now
-    try:
-        stamp = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")
-    except ValueError:
-        return now
-    return stamp.replace(tzinfo=datetime.UTC).timestamp()

@@ -35,20 +35,13 @@ import httpx
 
 from tidegate.operator.canary import Verdict
 from tidegate.operator.canary_judge import CanaryState, Reading, policy_of
-from tidegate.operator.closed_loop import (
-    BUDGET,
-    THRESHOLD,
-    TUNED_ROLES,
-    RoleWindow,
-    closed_loop,
-    role_proposal,
-)
+from tidegate.operator.closed_loop import TUNED_ROLES, RoleWindow, closed_loop, look, measured
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.pool_metrics import EngineLoad, engine_load, parse_exposition
 from tidegate.operator.render import Rendered, RenderOptions, render
-from tidegate.operator.rollout import CANARY_SUFFIX, role_changes, stage
+from tidegate.operator.rollout import CANARY_SUFFIX, rolled_roles, stage
 from tidegate.operator.spec import SpecError
-from tidegate.operator.step_fit import parse_step_totals, window
+from tidegate.operator.step_fit import parse_step_totals
 from tidegate.operator.tuning import MeasuredChunks
 from tidegate.operator.up import LocalConfig, LocalPod
 
@@ -176,7 +169,7 @@ class LocalRollout:
             )
             return
         if staged.mode == "direct":
-            if not _same_pods(new, stable):
+            if rolled_roles(stable, new) != []:
                 logger.warning(
                     "%s: the change is not one a canary can try (roles or strategy changed); "
                     "restart tidegate up to run it",
@@ -277,37 +270,22 @@ class LocalRollout:
         """Closed-loop tuning: a window of each tuned role's step counters from its pods; at
         its end a fit, and a proposal tried as a canary (operator/closed_loop.py)."""
         rendered = render(self.stable, RenderOptions(), self.applied)
-        spec = rendered.spec
         now = self._clock()
-        proposals: dict[str, MeasuredChunks] = {}
+        proposals: dict[str, Any] = {}
         for role in (r for r in TUNED_ROLES if r in rendered.tuning.roles):
             readings = {
                 name: parse_step_totals(text)
                 for name, text in self._pages(self._stable_pods(role)).items()
             }
-            current = self.windows.get(role)
-            if current is None:
-                self.windows[role] = RoleWindow(now, readings)
+            looked = look(self.windows, rendered, role, readings, now, self.rejected.get(role, []))
+            if looked is None:
                 continue
-            if now - current.started < spec.tuning.window_seconds:
-                continue
-            self.windows[role] = RoleWindow(now, readings)
-            entry, last = role_proposal(
-                rendered.tuning.roles[role],
-                window(current.before, readings),
-                itl_slo_ms=spec.scheduling.slo.itl_ms,
-                max_num_seqs=spec.scheduling.max_num_seqs,
-                block_size=spec.scheduling.block_size,
-                max_model_len=spec.model.max_model_len,
-                rejected=self.rejected.get(role, []),
-            )
+            entry, last = looked
             logger.info("closed-loop: %s: %s steps; %s", role, last["steps"], last["proposal"])
             if entry is not None:
-                proposals[role] = MeasuredChunks(
-                    entry[THRESHOLD], entry[BUDGET], str(entry["reason"])
-                )
+                proposals[role] = entry
         if proposals:
-            self._consider(self.stable, proposals)
+            self._consider(self.stable, measured(proposals))
 
     def _restart(self, pod: LocalPod) -> None:
         """Drain the pod, then start it again (it reads its config file anew) and wait for it."""
@@ -356,11 +334,6 @@ class LocalRollout:
         return {
             name: engine_load(parse_exposition(text)) for name, text in self._pages(pods).items()
         }
-
-
-def _same_pods(new: Rendered, old: Rendered) -> bool:
-    """Whether two renders run the same engine pods (templates by role)."""
-    return all(change.kind in ("unchanged", "scales") for change in role_changes(old, new))
 
 
 def _counts(analysis: Mapping[str, Any]) -> str:
