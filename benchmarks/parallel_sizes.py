@@ -58,21 +58,27 @@ def timed_repeats(
     return summary, outputs
 
 
+def offline_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of an offline comparison: the workload, the dtype, the repeats, --smoke."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per size; median kept")
+    return parser
+
+
 def compare_sizes(name: str, kind: str, compared: str, run: SizeRun, description: str) -> None:
     """The scenario's command line: run each size, compare outputs, write results/NAME.json.
 
     `kind` labels the sizes ("tp", "dp"); `compared` names what `run` returns as "outputs"
     ("tokens", "texts").
     """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, seconds, for CI")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser = offline_parser(description)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help=f"{kind} sizes")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per size; median kept")
     args = parser.parse_args()
     if args.smoke:
         args.num_prompts, args.input_len, args.output_len, args.repeats = 4, 16, 8, 1

@@ -104,6 +104,7 @@ class AsyncLLM:
         """Check the model folder here, start the engine cores, and wait until all serve."""
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
+        model_config.check_pipeline_parallel(args.pipeline_parallel_size)
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
         tokenizer = Tokenizer(args.tokenizer or args.model)
         clients = [

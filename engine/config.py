@@ -75,6 +75,45 @@ class EngineArgs(BaseModel):
         description="Workers that each hold one shard of the model; must divide the number of "
         "attention heads.",
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Stages the model's layers are split into, each on its own worker(s) "
+        "(times tensor_parallel_size); steps flow through the stages as micro-batches, so the "
+        "stages overlap.",
+    )
+    pipeline_micro_batching: bool = Field(
+        True,
+        description="With pipeline_parallel_size above 1, keep one step in flight per stage, "
+        "each with its share of the requests, so the stages overlap; off runs one step at a "
+        "time through every stage (a baseline for benchmarks).",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="Nodes (pods) the tensor_parallel_size x pipeline_parallel_size ranks are "
+        "spread over, an equal share each; node_rank 0 (the leader) runs the server and the "
+        "engine core.",
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        description="This node's index among nnodes. Above 0 the node runs only its worker "
+        "ranks: it connects to the leader at master_addr, which sends it the engine's "
+        "configuration, and it serves no HTTP.",
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address of the leader (node_rank 0), where every node meets (nnodes > 1).",
+    )
+    master_port: int = Field(
+        29500,
+        ge=1,
+        le=65534,
+        description="The leader's rendezvous port for torch.distributed (nnodes > 1); the "
+        "leader's control channel to the other nodes listens on master_port + 1.",
+    )
     distributed_executor_backend: Literal["uni", "mp"] | None = Field(
         None,
         description="Where the workers run (vLLM's flag): uni runs the one worker inside the "
@@ -215,11 +254,21 @@ class EngineArgs(BaseModel):
     )
 
     @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine core, over all nodes: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Worker ranks of one engine core on this node."""
+        return self.world_size // self.nnodes
+
+    @property
     def executor_backend(self) -> Literal["uni", "mp"]:
-        """The distributed_executor_backend in force: the flag, else by tensor-parallel size."""
+        """The distributed_executor_backend in force: the flag, else by world size."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.tensor_parallel_size == 1 else "mp"
+        return "uni" if self.world_size == 1 else "mp"
 
     @property
     def canary_weight(self) -> float | None:
@@ -249,12 +298,15 @@ class EngineArgs(BaseModel):
                 f"enforce_eager contradicts compilation_level {self.compilation_level}; "
                 "give one of them (enforce_eager is compilation_level 0)"
             )
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            stages = self.pipeline_parallel_size
+            sizes = f"tensor_parallel_size {self.tensor_parallel_size}"
+            sizes += f" x pipeline_parallel_size {stages}" if stages > 1 else ""
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one worker, in the engine core; "
-                f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' (one process "
-                "per rank)"
+                f"{sizes} needs 'mp' (one process per rank)"
             )
+        self._check_nodes()
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
@@ -272,6 +324,27 @@ class EngineArgs(BaseModel):
                 f"max_num_partial_prefills ({self.max_num_partial_prefills})"
             )
         return self
+
+    def _check_nodes(self) -> None:
+        """Refuse what pipeline stages and nodes cannot serve, saying what would."""
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"nnodes {self.nnodes} must divide tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}: every node runs the same number "
+                "of ranks"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.data_parallel_size_local > 1:
+            raise ValueError(
+                "data_parallel_size_local above 1 runs several engine cores in one server; "
+                "a model spread over nnodes > 1 runs one (scale out with more replicas)"
+            )
+        if self.pipeline_parallel_size > 1 and self.kv_role != "none":
+            raise ValueError(
+                f"kv_role {self.kv_role!r} (disaggregated serving) does not run with "
+                "pipeline_parallel_size above 1 yet: each stage holds its own layers' KV blocks"
+            )
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def devices_of_core(
     needed = num_cores * devices_per_core
     if len(visible) < needed:
         raise ValueError(
-            f"data_parallel_size_local {num_cores} x tensor_parallel_size {devices_per_core} "
+            f"data_parallel_size_local {num_cores} x {devices_per_core} rank(s) per engine core "
             f"needs {needed} CUDA devices; {len(visible)} are visible"
         )
     start = engine_index * devices_per_core
@@ -57,5 +57,5 @@ def use_own_devices(args: EngineArgs, engine_index: int) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(count)]
     os.environ["CUDA_VISIBLE_DEVICES"] = devices_of_core(
-        engine_index, args.data_parallel_size_local, args.tensor_parallel_size, ids
+        engine_index, args.data_parallel_size_local, args.local_world_size, ids
     )

@@ -55,6 +55,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     # After preemption the request owns a fresh block list: new_block_ids replaces the old.
     resumed_from_preemption: bool = False
+    # Pipeline parallelism: the sampled tokens this step reads, ending at its last position.
+    # Only the last stage samples; the stages before it learn the tokens here.
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class KVRecvSpec(msgspec.Struct, array_like=True):
@@ -352,7 +355,8 @@ class WorkerWarmedUp(msgspec.Struct, tag=True):
 
 
 class WorkerResult(msgspec.Struct, tag=True):
-    """The result of one ExecuteModel (sent by rank 0 only)."""
+    """The result of one ExecuteModel (sent by the output rank only: TP rank 0 of the last
+    pipeline stage)."""
 
     output: ModelRunnerOutput
 
@@ -365,6 +369,27 @@ class WorkerFailure(msgspec.Struct, tag=True):
 
 
 WorkerReply = WorkerReady | WorkerWarmedUp | WorkerResult | WorkerFailure
+
+
+# -- leader <-> the other nodes of a model spread over nodes ---------------------------------
+
+
+class NodeHello(msgspec.Struct, array_like=True):
+    """A node (node_rank > 0) asks the leader for its part; repeated until answered."""
+
+    node_rank: int
+    nnodes: int
+    host: str
+    pid: int
+
+
+class NodeStart(msgspec.Struct, array_like=True):
+    """The leader's answer: the engine's arguments (EngineArgs as JSON), and where the ranks
+    meet. The node starts its share of the ranks with them."""
+
+    engine_args: bytes
+    max_model_len: int
+    init_method: str
 
 
 # -- KV transfer (disaggregated prefill/decode) ----------------------------------------------

@@ -34,6 +34,7 @@ STARTS_PROCESSES = frozenset(
         "tests/test_cli.py",
         "tests/engine/test_http_server.py",
         "tests/engine/test_malloc.py",
+        "tests/engine/test_pipeline_parallel.py",
         "tests/engine/test_tensor_parallel.py",
         "tests/operator/test_operator_cli.py",
         "tests/router/test_router_cli.py",

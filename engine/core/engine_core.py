@@ -94,6 +94,7 @@ class EngineCore:
         self.args = args
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
+        model_config.check_pipeline_parallel(args.pipeline_parallel_size)
         self.max_model_len = resolve_max_model_len(args, model_config)
         self.model_config = model_config
         if executor_class is None:
@@ -136,15 +137,25 @@ class EngineCore:
             model_config.eos_token_ids,
             max_cached_grammars=args.max_cached_grammars,
         )
+        # Steps that may be in flight at once: with pipeline stages, one per stage (each a
+        # micro-batch of its own requests); with async scheduling, the running one and the
+        # next; else one.
+        self.max_in_flight = 1
+        if args.pipeline_parallel_size > 1 and args.pipeline_micro_batching:
+            self.max_in_flight = args.pipeline_parallel_size
+        elif args.async_scheduling:
+            self.max_in_flight = 2
         self.scheduler = Scheduler(
             resolve_step_limits(args, self.max_model_len),
             self.kv_cache_manager,
             kv_connector=self.kv_connector,
             kv_transfer_timeout=args.kv_transfer_timeout,
             world_size=args.tensor_parallel_size,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=self.max_in_flight > 1,
             grammar=self.grammar,
             defer_grammar_bitmask=self.executor.takes_deferred_grammar_bitmask,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            micro_batches=self.max_in_flight if args.pipeline_parallel_size > 1 else 1,
         )
         # The step whose results the last step() applied (None: it applied none).
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -265,7 +276,7 @@ class EngineCore:
         step_started = time.perf_counter()
         self.process_kv_events()
         scheduler_output = self.scheduler.schedule()
-        if self.args.async_scheduling:
+        if self.max_in_flight > 1:
             outputs = self._step_async(scheduler_output)
         else:
             # Kept for metrics (tokens per iteration) and for tests that inspect the schedule.
@@ -297,7 +308,7 @@ class EngineCore:
             self.last_scheduler_output = so
             self._check_progress()
             return []
-        if len(self._in_flight) < 2 and not so.is_empty:
+        if len(self._in_flight) < self.max_in_flight and not so.is_empty:
             return []  # plan the next step while this one runs
         outputs = self._apply_oldest()
         if so.is_empty:

@@ -48,6 +48,12 @@ class Scheduler:
     sample a token for a request leaves a placeholder (`num_output_placeholders`), which the
     next plan counts as a known token whose KV that step computes; the runner feeds it the
     token it sampled itself. `update_from_output` swaps the placeholder for the real token.
+
+    With pipeline parallelism only the last stage samples, so a request with a token in flight
+    waits for it, and each plan tells the earlier stages the sampled tokens it reads
+    (`CachedRequestData.new_token_ids`). With `micro_batches` steps in flight at once, each
+    takes at most its share of the requests, so that the next step has requests to run while
+    this one is in the later stages.
     """
 
     def __init__(
@@ -60,9 +66,13 @@ class Scheduler:
         async_scheduling: bool = False,
         grammar: GrammarCompiler | None = None,
         defer_grammar_bitmask: bool = False,
+        pipeline_parallel_size: int = 1,
+        micro_batches: int = 1,
     ) -> None:
         self.limits = limits
         self.async_scheduling = async_scheduling
+        self.pipeline = pipeline_parallel_size > 1
+        self.micro_batches = micro_batches
         # Structured outputs: compiles grammars; None refuses constrained requests.
         self.grammar = grammar
         # Async scheduling: True when the executor takes a step's bitmask after the step has
@@ -159,7 +169,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones, within the budget."""
-        budget = StepBudget(self.limits)
+        max_seqs = None
+        if self.micro_batches > 1:
+            # This micro-batch's share of the requests (the others run, or will, in the rest).
+            max_seqs = -(-(len(self.running) + len(self.waiting)) // self.micro_batches)
+        budget = StepBudget(self.limits, max_seqs=max_seqs)
         if self.chunk_tuner is not None:
             # Each prompt's chunk sized for its depth: deeper chunks attend to more keys.
             tuner, num_decodes = self.chunk_tuner, sum(map(_is_decoding, self.running))
@@ -167,6 +181,7 @@ class Scheduler:
                 self.limits,
                 tuner.threshold(num_decodes),
                 cap=lambda context: tuner.threshold(num_decodes, context),
+                max_seqs=max_seqs,
             )
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -212,14 +227,16 @@ class Scheduler:
     ) -> None:
         """Give running requests their tokens, oldest first, preempting the newest if needed."""
         index = 0
-        while index < len(self.running) and budget.tokens_left > 0:
+        while index < len(self.running) and not budget.is_spent:
             request = self.running[index]
             if request.num_output_placeholders and (
-                self._finishes_in_flight(request)
+                self.pipeline
+                or self._finishes_in_flight(request)
                 or (request.grammar is not None and not self.defer_grammar_bitmask)
             ):
-                # The token in flight is its last: nothing more to compute. Or its grammar
-                # needs that token to say what may follow, and this executor cannot wait.
+                # The first stage needs the token in flight, which the last samples. Or it is
+                # its last: nothing more to compute. Or its grammar needs that token to say
+                # what may follow, and this executor cannot wait.
                 index += 1
                 continue
             num_new = budget.tokens_for(request, request.num_computed_tokens)
@@ -275,6 +292,7 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         grammar_rows: list[Request] = []
+        cached_by_id = {data.req_id: data for data in cached_reqs} if self.pipeline else {}
         # The step's mix (decodes, prompt tokens; and for the tuner alone, the prompt tokens'
         # attention pairs and keys), each request counted before it advances. Without the
         # tuner a decode is one token past the prompt, a comparison of what is at hand (the
@@ -292,6 +310,10 @@ class Scheduler:
                 pairs += chunk_pairs(start, num)
                 keys += chunk_keys(start, num)
             self.num_computed_prompt_tokens += min(start + num, prompt_len) - min(start, prompt_len)
+            if start + num > prompt_len and req_id in cached_by_id:
+                # Sampled tokens this step reads (a decode's last; a recompute's outputs).
+                read = request.all_token_ids[max(start, prompt_len) : start + num]
+                cached_by_id[req_id].new_token_ids = read
             request.num_computed_tokens += num
             samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
             if samples and request.grammar is not None:
@@ -362,7 +384,7 @@ class Scheduler:
         and so does one whose adapter would be one too many for a step (`max_loras`)."""
         skipped: list[Request] = []
         adapters = _AdapterSlots(self.limits.max_loras, self.running)
-        while self.waiting and budget.tokens_left > 0:
+        while self.waiting and not budget.is_spent:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]

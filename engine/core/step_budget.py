@@ -39,6 +39,7 @@ class StepBudget:
         limits: StepLimits,
         threshold: int | None = None,
         cap: Callable[[int], int] | None = None,
+        max_seqs: int | None = None,
     ) -> None:
         self.limits = limits
         # This step's per-request cap: the fixed one, or what the chunk tuner says now for a
@@ -46,6 +47,8 @@ class StepBudget:
         self.threshold = limits.long_prefill_token_threshold if threshold is None else threshold
         self._cap = cap
         self.tokens_left = limits.max_num_batched_tokens
+        # Requests this step may still take (pipeline micro-batches share the running ones).
+        self.seqs_left = limits.max_num_seqs if max_seqs is None else max_seqs
         self.num_partial = 0
         self.num_long_partial = 0
 
@@ -87,7 +90,13 @@ class StepBudget:
         if self.is_long(request):
             self.num_long_partial += 1
 
+    @property
+    def is_spent(self) -> bool:
+        """True when the step can take no more tokens or no more requests."""
+        return self.tokens_left <= 0 or self.seqs_left <= 0
+
     def spend(self, num_tokens: int) -> None:
-        """Take tokens out of the step's budget."""
+        """Take one request's tokens out of the step's budget."""
         assert num_tokens <= self.tokens_left, "scheduled past the token budget"
         self.tokens_left -= num_tokens
+        self.seqs_left -= 1

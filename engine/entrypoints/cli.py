@@ -57,6 +57,13 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    if ns.node_rank > 0:
+        # A node of a model spread over nodes: the leader sends it everything else.
+        from tidegate.engine.executor.node_agent import run_node
+
+        return run_node(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.log_level)
+    if ns.model is None:
+        raise SystemExit("tidegate serve: --model is required (on the leader: --node-rank 0)")
     from tidegate.engine.entrypoints.serve import run_server
 
     engine_args = engine_args_from(ns)
@@ -108,7 +115,8 @@ def add_serve(parser: argparse.ArgumentParser, config: dict[str, Any] | None) ->
         metavar="FILE",
         help="YAML file of flag: value (e.g. max-num-seqs: 64); flags given here win",
     )
-    add_engine_args(parser, defaults=config)
+    # --model may be left out on a node above rank 0, which takes the leader's.
+    add_engine_args(parser, defaults={"model": None, **(config or {})})
     add_engine_args(parser, ServerArgs, defaults=config)
     parser.set_defaults(handler=_serve)
 

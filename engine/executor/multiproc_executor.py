@@ -1,21 +1,21 @@
-"""Worker processes driven through a shared-memory broadcast queue."""
+"""Worker processes driven through a shared-memory broadcast queue (and, on other nodes,
+through their node agents)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import socket
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 
 import msgspec
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
+from tidegate.engine.distributed.node_link import NodeLinks
+from tidegate.engine.distributed.node_link import init_method as node_init_method
 from tidegate.engine.errors import EngineDeadError
 from tidegate.engine.executor.abstract import Executor
+from tidegate.engine.executor.worker_group import WorkerGroup
 from tidegate.engine.messages import (
     ExecuteModel,
     InitializeKVCache,
@@ -25,19 +25,14 @@ from tidegate.engine.messages import (
     SchedulerOutput,
     ShutdownWorker,
     WorkerCommand,
-    WorkerFailure,
     WorkerReady,
     WorkerReply,
     WorkerResult,
     WorkerWarmedUp,
 )
 from tidegate.engine.model.config import ModelConfig
-from tidegate.engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)
-
-# A worker that does not stop within this many seconds of being told is killed.
-_SHUTDOWN_GRACE_S = 5.0
 
 
 def free_init_method() -> str:
@@ -48,7 +43,11 @@ def free_init_method() -> str:
 
 
 class MultiprocExecutor(Executor):
-    """Starts one worker process per tensor-parallel rank and steps them together."""
+    """Starts one worker process per rank on this node and steps every rank together.
+
+    With nnodes > 1 this is the leader: the other nodes' ranks run under their node agents,
+    which it reaches through `NodeLinks`; a command goes to them and into this node's ring.
+    """
 
     title_prefix = "tidegate::"
 
@@ -60,80 +59,66 @@ class MultiprocExecutor(Executor):
         kv_config: KVWorkerConfig | None = None,
     ) -> None:
         super().__init__(args, model_config, max_model_len, kv_config)
-        self.world_size = args.tensor_parallel_size
-        # Where the ranks meet to form their torch.distributed group (unused for one rank).
-        init_method = free_init_method() if self.world_size > 1 else ""
-        ctx = multiprocessing.get_context("spawn")
+        self.world_size = args.world_size
+        # TP rank 0 of the last pipeline stage samples and answers each step.
+        self.output_rank = args.world_size - args.tensor_parallel_size
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(WorkerReply)
-        self._queue = ShmBroadcastQueue.create(num_readers=self.world_size, ctx=ctx)
-        self._replies: list[Connection] = []
-        self.workers: list[multiprocessing.process.BaseProcess] = []
         self._stopping = False
-        for rank in range(self.world_size):
-            ours, theirs = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=run_worker,
-                args=(
-                    args,
-                    max_model_len,
-                    rank,
-                    self._queue.handle,
-                    theirs,
-                    self.title_prefix,
-                    init_method,
-                    kv_config,
-                ),
-                name=f"{self.title_prefix}worker_tp{rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self._replies.append(ours)
-            self.workers.append(process)
+        self._nodes: NodeLinks | None = None
+        self._group: WorkerGroup | None = None
         try:
+            if args.nnodes > 1:
+                init_method = node_init_method(args)
+                # Every other node says hello before any rank starts to rendezvous.
+                self._nodes = NodeLinks(args, max_model_len, init_method)
+            else:
+                # Where the ranks meet to form their group (unused for one rank).
+                init_method = free_init_method() if self.world_size > 1 else ""
+            self._group = WorkerGroup(
+                args,
+                max_model_len,
+                0,
+                args.local_world_size,
+                init_method,
+                self.title_prefix,
+                kv_config,
+            )
             ready = [self._receive(rank) for rank in range(self.world_size)]
         except BaseException:
             self.shutdown()
             raise
-        # Every reader has attached: drop the name so nothing outlives us in /dev/shm.
-        self._queue.unlink()
+        self._group.attached()
         readies = [r for r in ready if isinstance(r, WorkerReady)]
         self._num_kv_blocks = min(r.num_kv_blocks for r in readies)
         self._kv_data_ports = [r.kv_data_port for r in sorted(readies, key=lambda r: r.rank)]
 
     @property
     def sentinels(self) -> list[int]:
-        """File descriptors that become readable when a worker exits."""
-        return [process.sentinel for process in self.workers]
+        """File descriptors that become readable when a worker exits (or a node is gone)."""
+        nodes = self._nodes.sentinels if self._nodes is not None else []
+        return [*self._group.sentinels, *nodes] if self._group is not None else nodes
 
     def check_alive(self) -> None:
-        """Raise EngineDeadError if any worker has exited."""
-        for rank, process in enumerate(self.workers):
-            if process.exitcode is not None:
-                raise EngineDeadError(
-                    f"worker tp{rank} (pid {process.pid}) exited with code {process.exitcode}"
-                )
+        """Raise EngineDeadError if any worker has exited or any node is gone."""
+        if self._nodes is not None:
+            self._nodes.check_alive()
+        if self._group is not None:
+            self._group.check_alive()
 
-    def _receive(self, rank: int) -> WorkerReady | WorkerWarmedUp | WorkerResult:
-        """The next reply of one worker; a failure or a death raises instead."""
-        conn = self._replies[rank]
-        while True:
-            ready = multiprocessing.connection.wait([conn, *self.sentinels])
-            if conn in ready:
-                try:
-                    reply = self._decoder.decode(conn.recv_bytes())
-                except EOFError:
-                    self.workers[rank].join(timeout=1.0)
-                    self.check_alive()
-                    raise EngineDeadError(f"worker tp{rank} closed its reply pipe") from None
-                if isinstance(reply, WorkerFailure):
-                    raise EngineDeadError(f"worker tp{reply.rank} failed:\n{reply.error}")
-                return reply
-            self.check_alive()
+    def _receive(self, rank: int) -> WorkerReply:
+        """The next reply of one rank; a failure or a death raises instead."""
+        assert self._group is not None
+        if rank in self._group.ranks:
+            return self._group.receive(rank, check=self.check_alive)
+        assert self._nodes is not None
+        return self._nodes.receive(rank, check=self.check_alive)
 
     def _broadcast(self, command: WorkerCommand) -> None:
-        self._queue.enqueue(self._encoder.encode(command), check=self.check_alive)
+        assert self._group is not None
+        data = self._encoder.encode(command)
+        if self._nodes is not None:
+            self._nodes.send(data, last=isinstance(command, ShutdownWorker))
+        self._group.enqueue(data, check=self.check_alive)
 
     def num_kv_blocks(self) -> int:
         return self._num_kv_blocks
@@ -150,13 +135,14 @@ class MultiprocExecutor(Executor):
         return self._next_result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        # The workers read the queue in order: this step waits there until the one before
-        # it is done. Rank 0 answers steps in order, so the earliest pending reply is next.
+        # The workers read the queue in order, and the output rank answers steps in order,
+        # so the earliest pending reply is next. With pipeline stages, several steps run at
+        # once, each in its own stage.
         self._broadcast(ExecuteModel(scheduler_output=scheduler_output))
         return _PendingReply(self)
 
     def _next_result(self) -> ModelRunnerOutput:
-        reply = self._receive(0)
+        reply = self._receive(self.output_rank)
         assert isinstance(reply, WorkerResult), reply
         return reply.output
 
@@ -167,30 +153,26 @@ class MultiprocExecutor(Executor):
         self._broadcast(KVPins(pin=pin, unpin=unpin))
 
     def describe(self) -> str:
-        pids = ", ".join(str(process.pid) for process in self.workers)
-        return f"{self.world_size} worker process(es) (pid {pids})"
+        assert self._group is not None
+        where = f"{self.world_size} worker process(es)"
+        if self._nodes is not None:
+            where += f" on {self.args.nnodes} nodes"
+        return f"{where} (pid {self._group.describe()} here)"
 
     def shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
-        if all(process.exitcode is None for process in self.workers):
+        group, nodes = self._group, self._nodes
+        told = False
+        if group is not None and group.all_alive():
             with contextlib.suppress(EngineDeadError, OSError):
                 self._broadcast(ShutdownWorker())
-        else:
-            # A rank died: the others may be blocked in a collective that will never finish.
-            for process in self.workers:
-                if process.exitcode is None:
-                    process.kill()
-        for process in self.workers:
-            process.join(timeout=_SHUTDOWN_GRACE_S)
-            if process.exitcode is None:
-                logger.warning("worker pid %d did not stop; killing it", process.pid)
-                process.kill()
-                process.join(timeout=_SHUTDOWN_GRACE_S)
-        for conn in self._replies:
-            conn.close()
-        self._queue.close()
+                told = True
+        if group is not None:
+            group.stop(told=told)
+        if nodes is not None:
+            nodes.close()
 
 
 class _PendingReply(Future):

@@ -113,9 +113,11 @@ class LoRAStack(nn.Module):
 
 
 def attach_lora_stacks(model: nn.Module, slots: int, rank: int) -> list[LoRAStack]:
-    """Give every adaptable linear of the decoder a LoRAStack (its `lora` attribute)."""
+    """Give every adaptable linear of the decoder a LoRAStack (its `lora` attribute): the
+    layers of this pipeline stage, in order."""
     stacks = []
-    for layer in model.model.layers:
+    for index in model.model.stage_layers:
+        layer = model.model.layers[index]
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in parent.named_children():
                 if name in _FUSED_SHARDS or name in _ROW_PARALLEL:
@@ -141,6 +143,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.stacks = attach_lora_stacks(model, max_loras, max_lora_rank)
+        self.layers = model.model.stage_layers  # the adapter layers the stacks belong to
         # Per layer, the stacks in model order: a loaded adapter is a list in the same order.
         self.slot_ids: list[int | None] = [None] * max_loras
         self._slot_used = [0] * max_loras
@@ -249,10 +252,10 @@ class LoRAManager:
             raw.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
         for (layer, proj), pair in raw.items():
             by_layer.setdefault(layer, {})[proj] = (pair["A"], pair["B"])
-        per_layer = len(self.stacks) // self.config.num_hidden_layers
+        per_layer = len(self.stacks) // len(self.layers)
         weights = []
         for index, stack in enumerate(self.stacks):
-            tensors = by_layer.get(index // per_layer, {})
+            tensors = by_layer.get(self.layers[index // per_layer], {})
             weights.append(stack.arrange(tensors, info.scaling))
         logger.info("read LoRA adapter %r (rank %d) from %s", lora.name, info.rank, lora.path)
         return weights

@@ -61,6 +61,23 @@ class ModelConfig:
                 f"attention heads ({self.num_attention_heads})"
             )
 
+    @property
+    def lm_head_layers(self) -> float:
+        """The LM head's weights in decoder layers (its compute per sampled token is in the
+        same ratio): what the last pipeline stage runs beside its layers."""
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        attention = self.hidden_size * self.head_dim * (2 * heads + 2 * kv)  # q, k, v, o
+        mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
+        return self.vocab_size * self.hidden_size / (attention + mlp)
+
+    def check_pipeline_parallel(self, size: int) -> None:
+        """Refuse more pipeline stages than this model has layers."""
+        if size > self.num_hidden_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {size} is more than this model's "
+                f"{self.num_hidden_layers} layers; each stage needs at least one"
+            )
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (and eos ids from generation_config.json) in a model folder."""

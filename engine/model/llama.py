@@ -7,6 +7,11 @@ from torch import nn
 
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
 from tidegate.engine.attention.custom_op import KVCache, attention_context, paged_attention
+from tidegate.engine.distributed.parallel_state import (
+    is_first_stage,
+    is_last_stage,
+    stage_layers,
+)
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.layers import (
     LMHead,
@@ -89,39 +94,90 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class MissingLayer(nn.Module):
+    """A place held for a layer another pipeline stage runs: it has no weights, so the layers
+    this stage runs keep their checkpoint names (model.layers.<i>)."""
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this layer runs on another pipeline stage")
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm: the part torch.compile takes whole."""
+    """Embedding, decoder layers and final norm: the part torch.compile takes whole.
+
+    Under pipeline parallelism it holds its stage's share: the embedding on the first stage,
+    the norm on the last, and the layers `stage_layers` names (a MissingLayer elsewhere).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
+        self.stage_layers = stage_layers(
+            config.num_hidden_layers, head_layers=config.lm_head_layers
+        )
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size) if self.first_stage else None
+        )
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        first = self.stage_layers.start
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, i) for i in range(config.num_hidden_layers)
+            # Each layer indexes this stage's KV caches, which start at its first layer.
+            LlamaDecoderLayer(config, rotary, i - first)
+            if i in self.stage_layers
+            else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; attention reads its context."""
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]: after the final norm on the last stage, else what the next
+        stage takes. A stage after the first starts from the previous one's `hidden`."""
+        if self.first_stage:
+            hidden = self.embed_tokens(input_ids)
+        assert hidden is not None
+        for i in self.stage_layers:
+            hidden = self.layers[i](positions, hidden)
+        return self.norm(hidden) if self.last_stage else hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model: what the model runner calls each step."""
+    """The whole model (or one pipeline stage of it): what the model runner calls each step."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size) if is_last_stage() else None
+        if self.lm_head is not None and config.tie_word_embeddings and self.model.first_stage:
             self.lm_head.tie(self.model.embed_tokens)
+
+    @property
+    def num_local_layers(self) -> int:
+        """Decoder layers this stage runs (and keeps KV caches for)."""
+        return len(self.model.stage_layers)
+
+    def holds(self, name: str) -> bool:
+        """True when checkpoint tensor `name` (in our module names) belongs to this stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in self.model.stage_layers
+        if name.startswith("model.embed_tokens."):
+            # A tied embedding is also the last stage's LM head.
+            return self.model.first_stage or (
+                self.lm_head is not None and self.config.tie_word_embeddings
+            )
+        if name.startswith("model.norm."):
+            return self.model.last_stage
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def forward(
         self,
@@ -129,13 +185,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run a flat batch of T tokens; returns hidden states [T, hidden]."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        if len(kv_caches) != self.num_local_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.num_local_layers} layers")
         with attention_context(self.backend, kv_caches, meta):
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
+        """Float32 logits [N, vocab] for the rows of hidden that need sampling (last stage)."""
+        assert self.lm_head is not None, "logits are computed on the last pipeline stage"
         return self.lm_head(hidden)

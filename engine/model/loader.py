@@ -67,7 +67,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]]) ->
     """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly.
 
     A tensor may also be a lazy safetensors slice: each layer's loader reads only the rows
-    or columns its tensor-parallel rank keeps.
+    or columns its tensor-parallel rank keeps. Under pipeline parallelism the tensors of other
+    stages are skipped.
     """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     expected = {_shard_key(name, shard) for name, shard in _expected_shards(model)}
@@ -78,6 +79,10 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]]) ->
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue  # recomputed buffers, and the copy of a tied embedding
         name, shard = _our_name(hf_name)
+        if not model.holds(name):
+            continue  # another pipeline stage's
+        if tied and name == "model.embed_tokens.weight" and name not in params:
+            name = "lm_head.weight"  # the last stage's own copy of a tied embedding
         param = params.get(name)
         if param is None:
             unexpected.append(hf_name)

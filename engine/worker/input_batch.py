@@ -84,6 +84,12 @@ class PersistentBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
+    def set_tokens(self, row: int, token_ids: list[int], end: int) -> None:
+        """Write tokens sampled elsewhere (on the last pipeline stage) at positions
+        [end - len(token_ids), end): the sampled ones a step reads, which end at its last."""
+        self.token_ids[row, end - len(token_ids) : end] = token_ids
+        self.num_tokens[row] = max(self.num_tokens[row], end)
+
     def _grow(self) -> None:
         old = self.num_rows
         new = 2 * old

@@ -12,7 +12,16 @@ import torch
 
 from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.distributed.parallel_state import broadcast, get_tp_rank, kv_head_shard
+from tidegate.engine.distributed.parallel_state import (
+    broadcast,
+    get_pp_size,
+    get_tp_rank,
+    is_first_stage,
+    is_last_stage,
+    kv_head_shard,
+    recv_from_previous_stage,
+    send_to_next_stage,
+)
 from tidegate.engine.lora.manager import LoRAManager
 from tidegate.engine.messages import (
     GrammarBitmask,
@@ -75,6 +84,16 @@ class ModelRunner:
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe
         )
+        # Pipeline parallelism: the stages this one sits between (hidden states in and out).
+        self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
+        if self.compilation_level == 2 and get_pp_size() > 1:
+            # A stage after the first starts from received hidden states, which the decode
+            # graphs have no static buffer for.
+            logger.info("pipeline parallelism: no CUDA graphs, compilation level 1")
+            self.compilation_level = 1
+        # What the previous stage sent for the step being run (None on the first stage, and
+        # in warm-up, which runs on zeros).
+        self._stage_input: torch.Tensor | None = None
         self.compiler = compilation.ModelCompiler(args.compile_cache_dir)
         if self.compilation_level >= 1:
             # The decoder stack only: the LM head and the sampler run on few rows.
@@ -106,7 +125,7 @@ class ModelRunner:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem
-        return per_layer * cfg.num_hidden_layers
+        return per_layer * self.model.num_local_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged caches: per layer, keys and values [blocks, block, heads, dim]."""
@@ -118,13 +137,23 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(self.model.num_local_layers)
         ]
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if not self.first_stage:
+            hidden = self._stage_input
+            if hidden is None:  # warm-up: the shapes matter, not the values
+                hidden = torch.zeros(
+                    len(input_ids),
+                    self.model_config.hidden_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+        return self.model(input_ids, positions, self.kv_caches, meta, hidden)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -207,6 +236,10 @@ class ModelRunner:
             else:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.new_token_ids and not self.last_stage:
+                # Sampled on the last stage: this stage learns them from the plan.
+                end = cached.num_computed_tokens + so.num_scheduled_tokens[cached.req_id]
+                batch.set_tokens(row, cached.new_token_ids, end)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -222,10 +255,20 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare([state.lora_request for state in states], num_scheduled)
         size = self.decode_graphs.size_for(num_scheduled) if self.decode_graphs else None
+        if not self.first_stage:
+            self._stage_input = recv_from_previous_stage(
+                len(step.input_ids), self.model_config.hidden_size, self.dtype, self.device
+            )
         if size is not None:
             hidden = self.decode_graphs.run(step, size)
         else:
             hidden = self._forward(step.input_ids, step.positions, step.attn_metadata)
+        self._stage_input = None
+        if not self.last_stage:
+            # The next stage goes on with this step while this one takes the next.
+            send_to_next_stage(hidden)
+            self.batch.num_computed_tokens[rows] += num_scheduled
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if step.sampling_rows:

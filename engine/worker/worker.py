@@ -10,7 +10,12 @@ import torch
 from tidegate.common.cpus import available_cpus
 from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from tidegate.engine.device import resolve_device
-from tidegate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from tidegate.engine.distributed.parallel_state import (
+    destroy_parallel,
+    get_tp_rank,
+    init_parallel,
+    is_last_stage,
+)
 from tidegate.engine.kv_transfer.base import KVConnectorWorker, create_worker_connector
 from tidegate.engine.messages import KVWorkerConfig, ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.model.config import ModelConfig
@@ -39,22 +44,31 @@ class Worker:
     ) -> None:
         self.args = args
         self.rank = rank
-        world_size = args.tensor_parallel_size
+        local_ranks = args.local_world_size  # this node's ranks: consecutive global ranks
         self.device = resolve_device(args.device)
-        if self.device.type == "cuda" and world_size > 1:
-            if torch.cuda.device_count() < world_size:
+        if self.device.type == "cuda" and local_ranks > 1:
+            if torch.cuda.device_count() < local_ranks:
                 raise ValueError(
-                    f"tensor_parallel_size {world_size} needs {world_size} CUDA devices; "
+                    f"{local_ranks} ranks on this node (tensor_parallel_size x "
+                    f"pipeline_parallel_size / nnodes) need {local_ranks} CUDA devices; "
                     f"{torch.cuda.device_count()} are visible"
                 )
-            self.device = torch.device("cuda", rank)
+            self.device = torch.device("cuda", rank % local_ranks)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             keep_temporaries_off_mmap()
-            # The ranks of every engine core share the machine's cores.
-            ranks = world_size * args.data_parallel_size_local
+            # The ranks of every engine core on this node share its cores.
+            ranks = local_ranks * args.data_parallel_size_local
             torch.set_num_threads(args.num_threads or max(1, available_cpus() // ranks))
-        init_tensor_parallel(rank, world_size, distributed_init_method or "", self.device)
+        init_parallel(
+            rank,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            distributed_init_method or "",
+            self.device,
+        )
+        # The rank that hands the sampled tokens back: TP rank 0 of the last stage.
+        self.is_output_rank = is_last_stage() and get_tp_rank() == 0
         start = time.perf_counter()
         self.runner = ModelRunner(args, model_config, max_model_len, self.device)
         if rank == 0:
@@ -69,7 +83,11 @@ class Worker:
         self.kv_connector: KVConnectorWorker | None = None
         if kv_config is not None:
             self.kv_connector = create_worker_connector(
-                kv_config, rank, world_size, model_config.num_key_value_heads, self.device
+                kv_config,
+                rank,
+                args.tensor_parallel_size,
+                model_config.num_key_value_heads,
+                self.device,
             )
 
     @property
@@ -135,4 +153,4 @@ class Worker:
         """Stop the KV connector and leave the tensor-parallel group."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        destroy_tensor_parallel()
+        destroy_parallel()

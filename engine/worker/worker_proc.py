@@ -1,4 +1,5 @@
-"""The worker process: read commands from the broadcast queue, run them, reply from rank 0."""
+"""The worker process: read commands from the broadcast queue, run them; the output rank (TP
+rank 0 of the last pipeline stage) replies with the sampled tokens."""
 
 from __future__ import annotations
 
@@ -32,14 +33,19 @@ def run_worker(
     args: EngineArgs,
     max_model_len: int,
     rank: int,
+    local_rank: int,
     commands: ShmQueueHandle,
     replies: Connection,
-    title_prefix: str,
+    title: str,
     distributed_init_method: str,
     kv_config: KVWorkerConfig | None = None,
 ) -> None:
-    """Process entry point: load the shard, report readiness, then serve commands until told."""
-    become_child_process(f"{title_prefix}worker_tp{rank}")
+    """Process entry point: load the shard, report readiness, then serve commands until told.
+
+    `rank` is global (over every node); `local_rank` is this node's index, the reader slot of
+    its node's broadcast ring.
+    """
+    become_child_process(title)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(WorkerCommand)
 
@@ -53,7 +59,7 @@ def run_worker(
 
         model_config = ModelConfig.from_pretrained(args.model)
         worker = Worker(args, model_config, max_model_len, rank, distributed_init_method, kv_config)
-        reader = ShmBroadcastReader(commands, rank)
+        reader = ShmBroadcastReader(commands, local_rank)
         reply(
             WorkerReady(
                 rank=rank, num_kv_blocks=worker.num_kv_blocks(), kv_data_port=worker.kv_data_port
@@ -63,7 +69,7 @@ def run_worker(
             command = decoder.decode(reader.dequeue())
             if isinstance(command, ExecuteModel):
                 output = worker.execute_model(command.scheduler_output)
-                if rank == 0:
+                if worker.is_output_rank:
                     reply(WorkerResult(output=output))
             elif isinstance(command, KVPins):
                 worker.update_kv_pins(command.pin, command.unpin)

@@ -222,3 +222,18 @@ def test_closed_loop_tuning_sweeps_fixed_thresholds_then_fits_and_proposes(tmp_p
     assert len(result["machine"]["load_average_at_end"]) == 3
     assert "target met" in result["targets"]
     assert not readme.exists()  # a smoke run leaves the results table alone
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_times_stages_with_and_without_micro_batches(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "pipeline_parallel.py"), "--smoke"]
+    subprocess.run([*command, "--out-dir", str(tmp_path)], check=True, timeout=300)
+    result = json.loads((tmp_path / "pipeline_parallel.json").read_text())
+    assert set(result["results"]) == {"pp1", "pp2", "pp2-sync"}
+    for name, run in result["results"].items():
+        assert run["tokens_match_pp1"] is True and run["sequences_differing"] == 0
+        assert run["output_tokens_per_s"] > 0
+        if name != "pp1":
+            # Each stage's worker was busy for part of the run, and idle for the rest.
+            assert len(run["stage_busy"]) == 2 and 0 < run["bubble"] < 1
+    assert len(result["load_average_1m_per_turn"]) == 3
