@@ -33,12 +33,16 @@ OWNED_KINDS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
 }
 # Owned kinds of APIs that a cluster may lack (another project's CRD), with what installs them.
 # Listing or deleting them there finds none; creating one is answered 404, which the reconcile
 # reports without failing the rest of the resource.
 OPTIONAL_KINDS: dict[tuple[str, str], str] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "the Gateway API Inference Extension",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): (
+        "LeaderWorkerSet (kubernetes-sigs/lws), which runs a replica over several nodes"
+    ),
 }
 # ... and of every kind it reads or writes: those, the LLMDeployment itself, for the
 # autoscaler the pools' pods (read, and annotated with a deletion cost) and Events, and the

@@ -39,7 +39,7 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
         out.write(f"# {resource['metadata']['name']}: {rendered.endpoint}\n")
         for reason in rendered.tuning.reasons():
             out.write(f"#   {reason}\n")
-        for role, row in _scaling_rows(rendered.spec):
+        for role, row in _scaling_rows(rendered):
             if row[0] == "replicas":
                 out.write(f"#   {role}.replicas={row[1]}: {row[2]}\n")
         if rendered.spec.adapters is not None:
@@ -69,7 +69,7 @@ def write_table(
         if rendered.spec.adapters is not None:
             out.write(_adapters_section(rendered))
             out.write("\n")
-        rows = [(role, *row) for role, row in _scaling_rows(rendered.spec)]
+        rows = [(role, *row) for role, row in _scaling_rows(rendered)]
         out.write(_table(("ROLE", "SCALING", "VALUE", "REASON"), rows))
         out.write("\n")
         if changes is not None:
@@ -138,14 +138,22 @@ def _source_text(source: ModelSource) -> str:
 DRIVERS = {"operator": "the operator", "keda": "KEDA", "hpa": "the HPA controller"}
 
 
-def _scaling_rows(spec: LLMDeploymentSpec) -> list[tuple[str, tuple[str, str, str]]]:
+def _scaling_rows(rendered: Rendered) -> list[tuple[str, tuple[str, str, str]]]:
     """Each pool's replicas, and for an autoscaled one its policy, with what each value does."""
+    spec = rendered.spec
     policies = spec.autoscaling.policies() if spec.autoscaling else {}
     rows = []
     for role, pool in spec.topology.roles().items():
         policy = policies.get(role)
         if policy is None:
-            rows.append((role, ("replicas", str(pool.replicas), f"fixed: no autoscaling.{role}")))
+            why = f"fixed: no autoscaling.{role}"
+            nodes = rendered.tuning.roles[role].nodes_per_replica
+            if nodes > 1:
+                why += (
+                    f"; each replica a group of {nodes} pods, one per node (LeaderWorkerSet), "
+                    "restarted together"
+                )
+            rows.append((role, ("replicas", str(pool.replicas), why)))
             continue
         rows += [(role, row) for row in _policy_rows(spec, role, policy, pool.replicas)]
     return rows

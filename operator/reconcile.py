@@ -27,7 +27,15 @@ from tidegate.operator.kube import (
     KubeError,
 )
 from tidegate.operator.labels import COMPONENT_LABEL, owned_labels, selector_labels
-from tidegate.operator.render import SPEC_HASH, Rendered, RenderOptions, render
+from tidegate.operator.render import (
+    POOL_KINDS,
+    SPEC_HASH,
+    Rendered,
+    RenderOptions,
+    is_pool,
+    pod_template,
+    render,
+)
 from tidegate.operator.rollout import Staged, is_canary, stage
 from tidegate.operator.spec import API_VERSION, KIND, SpecError
 from tidegate.operator.status import (
@@ -139,8 +147,16 @@ async def reconcile(
     if outcome.error is not None:
         # Keep what runs: a bad edit must not take a working endpoint down.
         logger.warning(f"not applying {name}: {outcome.error[1]}")
-        roles = await _live_roles(kube, namespace, name)
-        deployments = await kube.list("apps/v1", "Deployment", namespace, owned_labels(name))
+        deployments = await _live_pools(kube, namespace, name)
+        roles = [
+            role_state(
+                d["metadata"]["labels"][COMPONENT_LABEL],
+                (d.get("spec") or {}).get("replicas", 1),
+                d,
+                group_size(d),
+            )
+            for d in deployments
+        ]
         endpoint = (resource.get("status") or {}).get("endpoint", "")
     else:
         assert staged is not None
@@ -156,17 +172,18 @@ async def reconcile(
         else:
             if outcome.not_installed:
                 outcome.error = (CRD_NOT_INSTALLED, "; ".join(outcome.not_installed))
-        deployments = [o for o in objects if o["kind"] == "Deployment" and not is_canary(o)]
+        deployments = [o for o in objects if is_pool(o) and not is_canary(o)]
         roles = [
             role_state(
                 obj["metadata"]["labels"][COMPONENT_LABEL],
                 _desired(obj, live.get(_key(obj)), rendered.scaled),
                 live.get(_key(obj)),
+                group_size(obj),
             )
             for obj in deployments
         ]
     try:
-        revisions = await _revisions(kube, namespace, name, deployments)
+        revisions = await _revisions(kube, namespace, name, deployments, roles)
     except KubeError as error:
         # Only the revisions' list is missing: the rest of the status still holds.
         logger.warning(f"cannot list the ReplicaSets of {name}: {error.message}")
@@ -288,6 +305,13 @@ def rollout_status(
     )
 
 
+def group_size(pool: Mapping[str, Any]) -> int:
+    """Pods of one replica of a pool: an LWS's group size, 1 for a Deployment."""
+    if pool["kind"] != "LeaderWorkerSet":
+        return 1
+    return (pool.get("spec") or {}).get("leaderWorkerTemplate", {}).get("size", 1)
+
+
 def _desired(obj: Mapping[str, Any], live: Mapping[str, Any] | None, scaled: frozenset[str]) -> int:
     """The replicas a rendered Deployment is to run: its driver's, once it has set them."""
     rendered = obj["spec"]["replicas"]
@@ -322,6 +346,35 @@ def replicas_body(obj: Mapping[str, Any], replicas: int) -> dict[str, Any]:
         "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
         "spec": {"replicas": replicas},
     }
+
+
+# Where a kind's pod selector is: the operator's alone, key by key.
+_SELECTORS: dict[str, tuple[str, ...]] = {
+    "Service": ("spec", "selector"),
+    "InferencePool": ("spec", "selector", "matchLabels"),
+}
+
+
+def dropped_selector_keys(obj: Mapping[str, Any], live: Mapping[str, Any] | None) -> Any:
+    """The JSON merge patch that removes the selector keys a live Service or InferencePool has
+    and `obj` no longer sets (the leaders' worker-index once a pool fits one node again), or
+    None. An apply that leaves a key out removes it only where an apply of ours set it, not
+    where our create did; and its subset check would not even send it."""
+    path = _SELECTORS.get(obj["kind"])
+    if live is None or path is None:
+        return None
+    want: Any = obj
+    have: Any = live
+    for step in path:
+        want = (want or {}).get(step)
+        have = (have or {}).get(step)
+    extra = sorted(set(have or {}) - set(want or {}))
+    if not extra:
+        return None
+    patch: Any = dict.fromkeys(extra)
+    for step in reversed(path):
+        patch = {step: patch}
+    return patch
 
 
 async def _apply_all(
@@ -359,6 +412,13 @@ async def _apply_all(
             else:
                 live_objects[_key(obj)] = live or obj
                 continue
+        dropped = dropped_selector_keys(obj, live)
+        if live is not None and dropped is not None:
+            live = await kube.merge_patch(
+                obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], dropped
+            )
+            outcome.applied.append(_key(obj))
+            logger.info(f"updated {_key(obj)}: dropped selector keys")
         handoff = False
         if live is not None and obj["kind"] == "Deployment" and meta["name"] in scaled:
             obj = without_replicas(obj)
@@ -403,17 +463,29 @@ def _owned_by(item: Mapping[str, Any], uid: str | None) -> bool:
 
 
 async def _revisions(
-    kube: Kube, namespace: str, name: str, deployments: list[dict[str, Any]]
+    kube: Kube,
+    namespace: str,
+    name: str,
+    deployments: list[dict[str, Any]],
+    roles: list[RoleState],
 ) -> list[Revision]:
     """Every role's revisions: each Deployment's current template (its spec hash), and the
     older ones whose pods still run, from the role's ReplicaSets (which carry the pod
-    template's labels: one list finds every role's)."""
+    template's labels: one list finds every role's). A LeaderWorkerSet keeps its revisions in
+    ControllerRevisions, which the operator does not read: its role lists the current one,
+    with the groups its status counts."""
     replica_sets = await kube.list("apps/v1", "ReplicaSet", namespace, owned_labels(name))
+    states = {state.role: state for state in roles}
     revisions: list[Revision] = []
     for deployment in deployments:
         role = deployment["metadata"]["labels"][COMPONENT_LABEL]
-        template = deployment["spec"]["template"]["metadata"]
+        template = pod_template(deployment)["metadata"]
         current = (template.get("annotations") or {}).get(SPEC_HASH)
+        if deployment["kind"] == "LeaderWorkerSet":
+            if current is not None and role in states:
+                state = states[role]
+                revisions.append(Revision(role, current, state.updated, state.ready, True))
+            continue
         selector = selector_labels(name, role)
         of_role = [
             rs
@@ -424,14 +496,10 @@ async def _revisions(
     return revisions
 
 
-async def _live_roles(kube: Kube, namespace: str, name: str) -> list[RoleState]:
-    labels = owned_labels(name)
-    deployments = await kube.list("apps/v1", "Deployment", namespace, labels)
-    return [
-        role_state(
-            d["metadata"]["labels"][COMPONENT_LABEL],
-            (d.get("spec") or {}).get("replicas", 1),
-            d,
-        )
-        for d in deployments
-    ]
+async def _live_pools(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The pools that run now: Deployments and LeaderWorkerSets, with their kinds."""
+    pools = []
+    for api_version, kind in POOL_KINDS:
+        for item in await kube.list(api_version, kind, namespace, owned_labels(name)):
+            pools.append({**item, "apiVersion": api_version, "kind": kind})
+    return pools

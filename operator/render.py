@@ -24,6 +24,10 @@ commented with its reason. With spec.adapters, every role's file turns LoRA on a
 when it changes; it stays out of the pods' spec hash, so an adapter whose folder the pods
 already mount comes and goes without a restart (`adapter_layout` says where each one is).
 spec.lora's limits, by contrast, are flags of every role's file: changing one rolls the pods.
+A pool whose replicas span several nodes (tuning's nodesPerReplica above 1) is a
+LeaderWorkerSet instead of a Deployment: one group of pods per replica, the leader serving
+HTTP and the others running only their worker ranks; the pool's Services and InferencePool
+select the leaders alone (docs/multinode.md).
 With `autoscaling.driver` keda or hpa, each autoscaled pool also gets a KEDA ScaledObject or
 an HPA (`operator/render_scalers.py`). An autoscaled pool's
 Deployment carries its starting replicas, for its creation only: its driver (the operator's
@@ -33,11 +37,12 @@ it so that the reconcile leaves them alone.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +75,18 @@ KV_EVENTS_PORT = 5557
 EPP_PORT = 9002
 EPP_PORT_NAME = "grpc-epp"
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+# A pool whose replicas span nodes: LeaderWorkerSet (kubernetes-sigs/lws), one group per replica.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# The label LWS's pod webhook puts on every pod of a group: "0" on the leader.
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# What LWS's webhook puts in every container of a group: the leader's DNS name, the group's
+# pods, and this pod's index in it (0: the leader). Kubernetes expands $(NAME) in args.
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+LWS_GROUP_SIZE = "$(LWS_GROUP_SIZE)"
+LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
+# The leader's torch.distributed rendezvous, and its control channel to the other nodes on the
+# next port: the engine's defaults, the same in every group (each leader has its own address).
+MASTER_PORT: int = EngineArgs.model_fields["master_port"].default
 CONFIG_DIR = "/etc/tidegate"
 # The API key's Secret is mounted here as a file: never in the ConfigMap, an env var or args.
 SECRET_DIR = "/var/run/secrets/tidegate"
@@ -119,6 +136,8 @@ class Rendered:
     spec: LLMDeploymentSpec
     # Names of the Deployments whose spec.replicas an autoscaler sets once they exist.
     scaled: frozenset[str] = frozenset()
+    # Roles whose replicas span several nodes: their pools are LeaderWorkerSets.
+    grouped: frozenset[str] = frozenset()
     # Whether the engines publish KV-cache events, on KV_EVENTS_PORT, and the router follows
     # them with the model's tokenizer.
     kv_events: bool = False
@@ -153,6 +172,7 @@ def render(
         spec=spec,
         image=spec.image or options.default_image,
         kv_events=behind_router and router_can_read_model(spec),
+        grouped=frozenset(r for r, t in tuning.roles.items() if t.nodes_per_replica > 1),
     )
     objects: list[dict[str, Any]] = []
     configs = {role: _engine_config(ctx, t) for role, t in tuning.roles.items()}
@@ -166,7 +186,10 @@ def render(
         if role in policies:
             replicas = starting_replicas(policies[role], replicas)
             scaled.add(deployment_name(ctx.name, role))
-        objects.append(ctx.engine_deployment(role, role_tuning, replicas, configs[role]))
+        if role in ctx.grouped:
+            objects.append(ctx.engine_group(role, role_tuning, replicas, configs[role]))
+        else:
+            objects.append(ctx.engine_deployment(role, role_tuning, replicas, configs[role]))
     if not behind_router:
         objects.append(ctx.service(ctx.name, "unified", spec.service.port, headless=False))
         objects.append(ctx.pdb("unified"))
@@ -194,6 +217,7 @@ def render(
         endpoint=endpoint_of(resource),
         spec=spec,
         scaled=frozenset(scaled),
+        grouped=ctx.grouped,
         kv_events=ctx.kv_events,
     )
 
@@ -215,8 +239,25 @@ def clients_role(spec: LLMDeploymentSpec) -> str:
 
 
 def deployment_name(name: str, role: str) -> str:
-    """The Deployment of a role's pool: `<name>` for unified, `<name>-<role>` otherwise."""
+    """The Deployment (or LeaderWorkerSet) of a role's pool: `<name>` for unified,
+    `<name>-<role>` otherwise."""
     return name if role == "unified" else f"{name}-{role}"
+
+
+POOL_KINDS = (("apps/v1", "Deployment"), (LWS_API_VERSION, "LeaderWorkerSet"))
+
+
+def is_pool(obj: Mapping[str, Any]) -> bool:
+    """Whether an object runs a role's engine (or router) pods: a Deployment or an LWS."""
+    return (obj["apiVersion"], obj["kind"]) in POOL_KINDS
+
+
+def pod_template(pool: Mapping[str, Any]) -> dict[str, Any]:
+    """A pool's pod template: a Deployment's, or an LWS's leader template (which carries the
+    pool's spec hash, as its worker template does)."""
+    if pool["kind"] == "LeaderWorkerSet":
+        return pool["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    return pool["spec"]["template"]
 
 
 def endpoint_of(resource: dict[str, Any]) -> str:
@@ -299,13 +340,7 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
             if limit.user_set:
                 values[limit.field] = limit.value
                 reasons[limit.field] = limit.reason
-    choices = {
-        "tensor_parallel_size": tuning.tensor_parallel_size,
-        "data_parallel_size_local": tuning.data_parallel_size_local,
-        "max_num_batched_tokens": tuning.max_num_batched_tokens,
-        "long_prefill_token_threshold": tuning.long_prefill_token_threshold,
-    }
-    for field, choice in choices.items():
+    for field, choice in tuning.engine_choices().items():
         values[field] = choice.value
         reasons[field] = choice.reason
     values.update(_tenancy_values(spec))
@@ -398,10 +433,11 @@ def _tenancy_values(spec: LLMDeploymentSpec) -> dict[str, Any]:
     return values
 
 
-def _check_fields(values: dict[str, Any], *models: type) -> None:
-    """Every key is a flag the engine declares: a renamed field fails here, not in a pod."""
+def _check_fields(names: Iterable[str], *models: type) -> None:
+    """Every name (a config's keys) is a flag the engine declares: a renamed field fails here,
+    not in a pod."""
     known = {name for model in models for name in model.model_fields}  # type: ignore[attr-defined]
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(names) - known)
     assert not unknown, f"rendered flags the engine does not declare: {unknown}"
 
 
@@ -491,6 +527,16 @@ class _Context:
     image: str
     # Engines publish KV-cache events and the router, with the model mounted, follows them.
     kv_events: bool = False
+    # Roles whose replicas span nodes (LeaderWorkerSet pools).
+    grouped: frozenset[str] = frozenset()
+
+    def serving_labels(self, role: str) -> dict[str, str]:
+        """Labels of the pods of a role that answer HTTP: in a LeaderWorkerSet pool, the
+        leaders only (the other pods of a group run worker ranks and listen on no http)."""
+        labels = selector_labels(self.name, role)
+        if role in self.grouped:
+            labels[WORKER_INDEX_LABEL] = "0"
+        return labels
 
     def model_path(self) -> str:
         """Where the engine reads the model: the cache's copy of a fetched one, else MODEL_DIR."""
@@ -548,7 +594,7 @@ class _Context:
 
     def service(self, name: str, component: str, port: int, *, headless: bool) -> dict[str, Any]:
         spec: dict[str, Any] = {
-            "selector": selector_labels(self.name, component),
+            "selector": self.serving_labels(component),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         }
         if headless:
@@ -618,6 +664,15 @@ class _Context:
         is the router's business alone; prefill pods get the same rule in `<name>-kv`.
         """
         router = {"podSelector": {"matchLabels": selector_labels(self.name, "router")}}
+        ingress: list[dict[str, Any]] = [
+            {"ports": [{"protocol": "TCP", "port": "http"}]},
+            {"from": [router], "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT}]},
+        ]
+        if role in self.grouped:
+            # The pods of a group meet at the leader's rendezvous and control ports, then
+            # torch.distributed connects every rank to the others on ports it picks itself.
+            peers = {"podSelector": {"matchLabels": selector_labels(self.name, role)}}
+            ingress.append({"from": [peers]})
         return {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
@@ -625,10 +680,7 @@ class _Context:
             "spec": {
                 "podSelector": {"matchLabels": selector_labels(self.name, role)},
                 "policyTypes": ["Ingress"],
-                "ingress": [
-                    {"ports": [{"protocol": "TCP", "port": "http"}]},
-                    {"from": [router], "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT}]},
-                ],
+                "ingress": ingress,
             },
         }
 
@@ -666,7 +718,7 @@ class _Context:
             "kind": "InferencePool",
             "metadata": self.metadata(self.name, role),
             "spec": {
-                "selector": {"matchLabels": selector_labels(self.name, role)},
+                "selector": {"matchLabels": self.serving_labels(role)},
                 "targetPorts": [{"number": ENGINE_PORT}],
                 "endpointPickerRef": {
                     "group": "",
@@ -682,17 +734,28 @@ class _Context:
     def engine_deployment(
         self, role: str, tuning: RoleTuning, replicas: int, config: str
     ) -> dict[str, Any]:
-        name = deployment_name(self.name, role)
-        container = self.container(role, ["serve", "--config", f"{CONFIG_DIR}/{role}.yaml"])
+        args = ["serve", "--config", f"{CONFIG_DIR}/{role}.yaml"]
+        pod_spec = self.engine_pod(role, tuning, args, serves=True)
+        return self.deployment(deployment_name(self.name, role), role, replicas, pod_spec, config)
+
+    def engine_pod(
+        self, role: str, tuning: RoleTuning, args: list[str], *, serves: bool
+    ) -> dict[str, Any]:
+        """An engine pod running `tidegate ARGS`; `serves`: it listens on http, and is probed
+        there (an LWS worker pod runs only its worker ranks)."""
+        container = self.container(role, args)
         resources = self.engine_resources(tuning)
         if resources:
             container["resources"] = resources
-        if role == "prefill":
-            container["ports"].extend(kv_ports(tuning))
-        if self.kv_events:
-            port = {"name": "cache-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}
-            container["ports"].append(port)
-        container.update(self.probes())
+        if not serves:
+            del container["ports"]
+        else:
+            if role == "prefill":
+                container["ports"].extend(kv_ports(tuning))
+            if self.kv_events:
+                port = {"name": "cache-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}
+                container["ports"].append(port)
+            container.update(self.probes())
         volumes, mounts, init = self.model_volume()
         inits = [init] if init is not None else []
         if self.spec.adapters is not None:
@@ -704,7 +767,58 @@ class _Context:
         pod_spec = self.pod_spec(container, volumes)
         if inits:
             pod_spec["initContainers"] = inits
-        return self.deployment(name, role, replicas, pod_spec, config)
+        return pod_spec
+
+    def engine_group(
+        self, role: str, tuning: RoleTuning, replicas: int, config: str
+    ) -> dict[str, Any]:
+        """A pool whose replicas span nodes: a LeaderWorkerSet of `replicas` groups, a pod per
+        node. The leader runs `tidegate serve` on the role's config (nnodes is there) as node 0;
+        the others run only their worker ranks, with the configuration the leader sends them.
+        They read the same file all the same (its flags are ignored there), so that their
+        command line is a whole, valid set of engine flags. Both mount what the config names
+        (the model, the caches, the adapters): every node loads its own stages' weights."""
+        config_file = ["--config", f"{CONFIG_DIR}/{role}.yaml"]
+        rendezvous = ["--master-addr", LWS_LEADER_ADDRESS, "--master-port", str(MASTER_PORT)]
+        leader_args = ["serve", *config_file, "--node-rank", "0", *rendezvous]
+        leader = self.engine_pod(role, tuning, leader_args, serves=True)
+        ports = leader["containers"][0]["ports"]
+        ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
+        ports.append({"name": "dist-control", "containerPort": MASTER_PORT + 1, "protocol": "TCP"})
+        nodes = ["--nnodes", LWS_GROUP_SIZE, "--node-rank", LWS_WORKER_INDEX]
+        worker = self.engine_pod(
+            role, tuning, ["serve", *config_file, *nodes, *rendezvous], serves=False
+        )
+        _check_fields(["nnodes", "node_rank", "master_addr", "master_port"], EngineArgs)
+        template_meta: dict[str, Any] = {"labels": child_labels(self.name, role)}
+        template_meta["annotations"] = {SPEC_HASH: _digest(leader, worker, config, template_meta)}
+        return {
+            "apiVersion": LWS_API_VERSION,
+            "kind": "LeaderWorkerSet",
+            "metadata": self.metadata(deployment_name(self.name, role), role),
+            "spec": {
+                "replicas": replicas,
+                # Workers start with their leader, not once it is ready: the leader becomes
+                # ready only after every worker has joined it.
+                "startupPolicy": "LeaderCreated",
+                # As the Deployments: a new group serves before an old one goes.
+                "rolloutStrategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
+                },
+                # A headless Service per group, named after its leader pod: the shared one
+                # would take the LWS's name, which is the name of this role's own Service.
+                "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
+                "leaderWorkerTemplate": {
+                    "size": tuning.nodes_per_replica,
+                    # One pod down takes its group down: the engine's ranks cannot rejoin a
+                    # running group, so every pod of it starts again together.
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {"metadata": template_meta, "spec": leader},
+                    "workerTemplate": {"metadata": copy.deepcopy(template_meta), "spec": worker},
+                },
+            },
+        }
 
     def router_deployment(self, replicas: int, config: str) -> dict[str, Any]:
         container = self.container("router", ["router", "--config", f"{CONFIG_DIR}/router.yaml"])

@@ -1,12 +1,14 @@
 """What a change of an LLMDeployment rolls, and why: the renders before and after, compared.
 
-A role's pods restart when its Deployment's pod template changes, which the renderer sums up
+A role's pods restart when its pool's pod template changes, which the renderer sums up
 in the template's spec hash (`tidegate.dev/spec-hash`: the pod spec and the role's config
 file). `role_changes` says, for each role, whether that hash moves, which engine flags of its
 config file change (from what to what), and which parts of the pod spec do; a change of
 replicas alone restarts nothing. `tidegate plan -f NEW --from OLD` prints it, with the steps
 the Deployment controller then takes (surge-first: a new pod beside the old ones, one at a
-time, an old one removed only once the new one is ready).
+time, an old one removed only once the new one is ready). A LeaderWorkerSet pool (replicas
+over several nodes) rolls the same way by whole groups; a pool that becomes one (or stops
+being one) is replaced: the old pods stop as the new ones start.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 
 from tidegate.operator.canary_judge import policy_of
 from tidegate.operator.labels import CANARY_TRACK, COMPONENT_LABEL, TRACK_LABEL
-from tidegate.operator.render import SPEC_HASH, Rendered, template_digest
+from tidegate.operator.render import SPEC_HASH, Rendered, is_pool, pod_template, template_digest
 
 # The parts of a pod template worth naming when they change, each a path into it.
 _POD_PARTS: dict[str, tuple[str, ...]] = {
@@ -48,11 +50,12 @@ class FlagChange:
 
 @dataclass(frozen=True)
 class RoleChange:
-    """One role's Deployment across the change."""
+    """One role's pool (Deployment or LeaderWorkerSet) across the change."""
 
     role: str
     deployment: str
-    # "added", "removed", "rolls" (new pod template), "scales" (replicas only), "unchanged".
+    # "added", "removed", "rolls" (new pod template), "scales" (replicas only), "unchanged",
+    # "replaced" (a Deployment becomes a LeaderWorkerSet, or the reverse).
     kind: str
     replicas: tuple[int | None, int | None] = (None, None)
     flags: list[FlagChange] = field(default_factory=list)
@@ -69,6 +72,11 @@ class RoleChange:
             return "nothing restarts"
         if self.kind == "scales":
             return f"replicas {before} -> {after}; no pod restarts"
+        if self.kind == "replaced":
+            return (
+                f"replaced: {self.pod_parts[0]}; its {before} replica(s) stop as the {after} new "
+                "one(s) start, with no surge between the two kinds"
+            )
         causes = [f"{c.flag} {_show(c.before)} -> {_show(c.after)}" for c in self.flags]
         causes += self.pod_parts
         scale = f"; replicas {before} -> {after}" if before != after else ""
@@ -92,6 +100,10 @@ def role_changes(before: Rendered, after: Rendered) -> list[RoleChange]:
             changes.append(RoleChange(role, name, "added", (None, replicas_after)))
             continue
         replicas = (previous["spec"].get("replicas"), replicas_after)
+        if previous["kind"] != deployment["kind"]:
+            what = f"the {previous['kind']} becomes a {deployment['kind']}"
+            changes.append(RoleChange(role, name, "replaced", replicas, pod_parts=[what]))
+            continue
         if _hash(previous) == _hash(deployment):
             kind = "scales" if replicas[0] != replicas[1] else "unchanged"
             changes.append(RoleChange(role, name, kind, replicas))
@@ -110,7 +122,7 @@ def _deployments(rendered: Rendered) -> dict[str, dict[str, Any]]:
     return {
         obj["metadata"]["labels"][COMPONENT_LABEL]: obj
         for obj in rendered.objects
-        if obj["kind"] == "Deployment" and not is_canary(obj)
+        if is_pool(obj) and not is_canary(obj)
     }
 
 
@@ -124,8 +136,8 @@ def _configs(rendered: Rendered) -> dict[str, dict[str, Any]]:
     }
 
 
-def _hash(deployment: Mapping[str, Any]) -> str | None:
-    annotations = deployment["spec"]["template"]["metadata"].get("annotations") or {}
+def _hash(pool: Mapping[str, Any]) -> str | None:
+    annotations = pod_template(pool)["metadata"].get("annotations") or {}
     return annotations.get(SPEC_HASH)
 
 
@@ -138,8 +150,8 @@ def _flag_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[F
 
 
 def _pod_parts(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-    old_pod = before["spec"]["template"]["spec"]
-    new_pod = after["spec"]["template"]["spec"]
+    old_pod = pod_template(before)["spec"]
+    new_pod = pod_template(after)["spec"]
     return [name for name, path in _POD_PARTS.items() if _at(old_pod, path) != _at(new_pod, path)]
 
 
@@ -302,8 +314,18 @@ def rollout_steps(name: str, before: Rendered, after: Rendered) -> list[str]:
     as `tidegate plan --from` shows them."""
     changes = role_changes(before, after)
     rolling = [c for c in changes if c.kind == "rolls"]
+    replaced = [
+        f"{c.deployment} is replaced ({c.pod_parts[0]}): the old pods stop as the new ones "
+        "start, with no surge between the two kinds"
+        for c in changes
+        if c.kind == "replaced"
+    ]
     if not rolling:
+        if replaced:
+            return replaced
         return ["no pod restarts"] if all(c.kind != "added" for c in changes) else []
+    if replaced:
+        return [*replaced, "every other changed role rolls at once, surge-first"]
     staged = stage(after, before, rolled_back=None, traffic_percent=1)
     if staged.mode != "canary":
         why = (

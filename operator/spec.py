@@ -32,7 +32,8 @@ PLURAL = "llmdeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 
-# The most accelerators one pod may have (accelerator.count), and so the widest TP or DP.
+# The most accelerators one replica may have (accelerator.count, over all its nodes) or one
+# node may have (accelerator.perNode), and so the widest TP, PP or DP.
 MAX_PARALLEL_SIZE = 64
 # A step's token budget and chunk: beyond this a step's activations need more memory than
 # any accelerator has, and its buffers would be allocated at start-up all the same.
@@ -341,8 +342,15 @@ class TopologySpec(SpecModel):
         return {"unified": self.unified or RoleSpec()}
 
 
+# The CRD's rule on spec.accelerator: a replica over several nodes takes whole nodes.
+COUNT_WHOLE_NODES = (
+    "count above perNode must be a multiple of perNode: a replica over several nodes takes "
+    "all the accelerators of each"
+)
+
+
 class AcceleratorSpec(SpecModel):
-    """The accelerators of one pod; absent means the engine runs on CPU."""
+    """The accelerators of one replica, and of one node; absent means the engine runs on CPU."""
 
     resource: Annotated[
         str,
@@ -360,11 +368,33 @@ class AcceleratorSpec(SpecModel):
             "kubernetes.io, '/', and a name of at most 63 letters, digits, '-', '_' or '.'",
         ),
     ] = "nvidia.com/gpu"
-    count: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
+    count: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_PARALLEL_SIZE,
+        description="Accelerators of one replica, over all its pods",
+    )
+    per_node: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_PARALLEL_SIZE,
+        description="Accelerators of one node, the most one pod may request",
+    )
     memory_gi_b: float = Field(gt=0, le=4096, alias="memoryGiB")
     peak_tflops: float | None = Field(
         None, gt=0, le=100_000, description="Dense bf16 TFLOP/s of one accelerator, for tuning."
     )
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> AcceleratorSpec:
+        count, per_node = self.count, self.per_node
+        if count is not None and per_node is not None and count > per_node and count % per_node:
+            raise ValueError(COUNT_WHOLE_NODES)
+        return self
+
+    def node_size(self) -> int:
+        """Accelerators of one node: perNode, else count (a replica is one pod), else 1."""
+        return self.per_node or self.count or 1
 
 
 class ResourcesSpec(SpecModel):
@@ -375,9 +405,11 @@ class ResourcesSpec(SpecModel):
 
 
 class ParallelismSpec(SpecModel):
-    """How many accelerators hold one model copy, and how many copies one pod runs."""
+    """How the accelerators of a replica hold one model copy, and how many copies a pod runs."""
 
     tensor_parallel_size: ParallelSize = "auto"
+    pipeline_parallel_size: ParallelSize = "auto"
+    nodes_per_replica: ParallelSize = "auto"
     data_parallel_size_local: ParallelSize = "auto"
 
 

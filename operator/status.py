@@ -2,7 +2,9 @@
 
 Ready is true only when every role's pods run the current spec: each Deployment has seen its
 latest generation, all its replicas are updated and available, and no pod of an older
-template is left (a rollout whose old pods still serve is Progressing, not Ready).
+template is left (a rollout whose old pods still serve is Progressing, not Ready). A
+LeaderWorkerSet pool (replicas over several nodes) is read the same way, counting groups: its
+status counts the groups updated and ready, a group being ready when all its pods are.
 """
 
 from __future__ import annotations
@@ -28,22 +30,34 @@ class RoleState:
     old: int  # pods of an older template still running
     observed: bool  # the Deployment controller has seen the latest generation
     stuck: str | None  # message of a ProgressDeadlineExceeded condition
+    # What a replica is: a pod, or for a LeaderWorkerSet a group of this many pods.
+    group_size: int = 1
 
     @property
     def done(self) -> bool:
         return self.observed and self.old == 0 and self.updated == self.ready == self.desired
 
+    def units(self, count: int) -> str:
+        """`count` replicas, as pods or as groups of pods."""
+        if self.group_size == 1:
+            return f"{count} pod{'s' if count != 1 else ''}"
+        return f"{count} group{'s' if count != 1 else ''} of {self.group_size} pods"
 
-def role_state(role: str, desired: int, live: Mapping[str, Any] | None) -> RoleState:
-    """Read a live Deployment (None: not created yet) the way `kubectl rollout status` does."""
+
+def role_state(
+    role: str, desired: int, live: Mapping[str, Any] | None, group_size: int = 1
+) -> RoleState:
+    """Read a live Deployment (None: not created yet) the way `kubectl rollout status` does;
+    with `group_size` above 1, a LeaderWorkerSet of groups that many pods each."""
     if live is None:
-        return RoleState(role, desired, 0, 0, 0, False, None)
+        return RoleState(role, desired, 0, 0, 0, False, None, group_size)
     status = live.get("status") or {}
     generation = (live.get("metadata") or {}).get("generation")
     observed = generation is None or status.get("observedGeneration", 0) >= generation
     total = status.get("replicas", 0)
     updated = status.get("updatedReplicas", 0) if observed else 0
-    available = status.get("availableReplicas", 0)
+    # An LWS counts ready groups (all their pods ready); it has no availability delay.
+    available = status.get("readyReplicas" if group_size > 1 else "availableReplicas", 0)
     old = max(total - updated, 0)
     # Available pods of the current template: at least all available minus every old pod.
     ready = min(max(available - old, 0), updated)
@@ -53,7 +67,7 @@ def role_state(role: str, desired: int, live: Mapping[str, Any] | None) -> RoleS
             "ProgressDeadlineExceeded"
         ):
             stuck = condition.get("message") or "progress deadline exceeded"
-    return RoleState(role, desired, updated, ready, old, observed, stuck)
+    return RoleState(role, desired, updated, ready, old, observed, stuck, group_size)
 
 
 @dataclass(frozen=True)
@@ -237,11 +251,12 @@ def _describe_rollout(rolling: list[RoleState]) -> str:
     parts = []
     for r in rolling:
         if not r.observed:
-            parts.append(f"{r.role}: waiting for the Deployment controller")
+            controller = "Deployment" if r.group_size == 1 else "LeaderWorkerSet"
+            parts.append(f"{r.role}: waiting for the {controller} controller")
             continue
-        text = f"{r.role}: {r.ready} of {r.desired} pods run the current spec"
+        text = f"{r.role}: {r.ready} of {r.units(r.desired)} run the current spec"
         if r.old:
-            text += f", {r.old} old pod{'s' if r.old != 1 else ''} still serving"
+            text += f", {r.units(r.old).replace(' ', ' old ', 1)} still serving"
         parts.append(text)
     return "; ".join(parts)
 

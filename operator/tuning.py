@@ -9,6 +9,12 @@ The cost model (estimates; each reason shows the arithmetic with the numbers it 
 - A prompt token costs 2 x parameterCount FLOPs (a multiply and an add per weight).
   Attention's share, which grows with the context, is left out: it is small for chunks of a
   few thousand tokens, and the MFU below is low enough to absorb it.
+- Pipeline parallelism (PP) splits the layers into stages, each on TP accelerators: the
+  weights take parameterCount x dtype bytes / (TP x PP) per accelerator. A step passes the
+  stages one after another, so its latency is the TP-only figure below; PP adds room for
+  weights (and, with several steps in flight, throughput), not speed. TP stays within a node
+  (it all-reduces inside every layer); a replica that needs more accelerators than a node has
+  (accelerator.perNode) takes whole nodes, a pod on each, with stages across them.
 - One engine core computes TP x peak x ASSUMED_MFU FLOP/s. peak is accelerator.peakTflops
   (dense 16-bit), else the product DEFAULT_PRODUCTS assumes for the resource name. float32
   matmuls run slower than that: set peakTflops to the fp32 rate when serving float32.
@@ -33,7 +39,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tidegate.engine.config import EngineArgs
-from tidegate.operator.spec import LLMDeploymentSpec, ModelSpec, RoleSpec, SpecError
+from tidegate.operator.spec import (
+    MAX_PARALLEL_SIZE,
+    LLMDeploymentSpec,
+    ModelSpec,
+    RoleSpec,
+    SpecError,
+)
 
 GIB = 1 << 30
 # Weights may fill this much of one accelerator; the rest holds the KV cache (which decides
@@ -62,7 +74,7 @@ DEFAULT_PRODUCTS = {
 # Any other resource name gets the H100's figures, and its reasons say so.
 FALLBACK_PRODUCT = DEFAULT_PRODUCTS["nvidia.com/gpu"]
 
-# Tensor-parallel ranks a CPU pod may run (worker processes, gloo between them).
+# Worker ranks (TP x PP on its node) a CPU pod may run: processes with gloo between them.
 MAX_CPU_TENSOR_PARALLEL = 8
 # The smallest chunk, in KV blocks: below it a step spends more on overhead than on the prompt.
 MIN_CHUNK_BLOCKS = 4
@@ -94,6 +106,8 @@ class RoleTuning:
 
     role: str
     tensor_parallel_size: Choice
+    pipeline_parallel_size: Choice
+    nodes: Choice  # nodesPerReplica: pods one replica spans
     data_parallel_size_local: Choice
     max_num_batched_tokens: Choice
     long_prefill_token_threshold: Choice
@@ -103,29 +117,48 @@ class RoleTuning:
         """The choices by their CRD (camelCase) names, in the order status shows them."""
         return {
             "tensorParallelSize": self.tensor_parallel_size,
+            "pipelineParallelSize": self.pipeline_parallel_size,
+            "nodesPerReplica": self.nodes,
             "dataParallelSizeLocal": self.data_parallel_size_local,
             "longPrefillTokenThreshold": self.long_prefill_token_threshold,
             "maxNumBatchedTokens": self.max_num_batched_tokens,
         }
 
+    def engine_choices(self) -> dict[str, Choice]:
+        """The choices by EngineArgs field, in the order the config file lists them. Pipeline
+        stages and nodes only above 1: a one-node replica's file reads (and hashes) as it did
+        before they existed."""
+        choices = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "data_parallel_size_local": self.data_parallel_size_local,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
+        }
+        if self.pipeline_parallel_size.value != 1:
+            choices["pipeline_parallel_size"] = self.pipeline_parallel_size
+        if self.nodes.value != 1:
+            choices["nnodes"] = self.nodes
+        return choices
+
     def engine_args(self) -> dict[str, int | str]:
         """The values as EngineArgs fields."""
-        return {
-            "tensor_parallel_size": self.tensor_parallel_size.value,
-            "data_parallel_size_local": self.data_parallel_size_local.value,
-            "long_prefill_token_threshold": self.long_prefill_token_threshold.value,
-            "max_num_batched_tokens": self.max_num_batched_tokens.value,
-        }
+        return {field: choice.value for field, choice in self.engine_choices().items()}
+
+    @property
+    def nodes_per_replica(self) -> int:
+        """Pods one replica spans: above 1 its pool is a LeaderWorkerSet."""
+        return int(self.nodes.value)
 
     def to_status(self) -> dict[str, int | str]:
         """The values under their camelCase status names."""
         return {name: choice.value for name, choice in self.choices().items()}
 
     def accelerators_per_pod(self) -> int:
-        """Accelerators one pod of this role requests (0 on CPU)."""
+        """Accelerators one pod of this role requests (0 on CPU): its share of the ranks."""
         if not self.accelerated:
             return 0
-        return int(self.tensor_parallel_size.value) * int(self.data_parallel_size_local.value)
+        ranks = int(self.tensor_parallel_size.value) * int(self.pipeline_parallel_size.value)
+        return ranks * int(self.data_parallel_size_local.value) // self.nodes_per_replica
 
 
 @dataclass(frozen=True)
@@ -168,6 +201,8 @@ def tune(spec: LLMDeploymentSpec, measured: Mapping[str, MeasuredChunks] | None 
         name: _tune_role(spec, name, role, (measured or {}).get(name))
         for name, role in spec.topology.roles().items()
     }
+    for role in roles.values():
+        _check_spread(spec, role)
     if "prefill" in roles:
         prefill = roles["prefill"].tensor_parallel_size.value
         decode = roles["decode"].tensor_parallel_size.value
@@ -184,8 +219,7 @@ def tune(spec: LLMDeploymentSpec, measured: Mapping[str, MeasuredChunks] | None 
 def _tune_role(
     spec: LLMDeploymentSpec, name: str, role: RoleSpec, measured: MeasuredChunks | None
 ) -> RoleTuning:
-    tp = _tensor_parallel(spec, name, role)
-    dp = _data_parallel(spec, int(tp.value))
+    tp, pp, nodes, dp = _parallelism(spec, name, role)
     threshold, budget = _chunks(spec, name, role, _step_cost(spec, int(tp.value)))
     if measured is not None and not threshold.user_set and not budget.user_set:
         threshold = Choice(measured.threshold, f"closed-loop: {measured.reason}")
@@ -197,7 +231,35 @@ def _tune_role(
                 measured.budget,
                 "closed-loop: the fitted chunk plus a decode token for every running request",
             )
-    return RoleTuning(name, tp, dp, budget, threshold, spec.accelerator is not None)
+    return RoleTuning(name, tp, pp, nodes, dp, budget, threshold, spec.accelerator is not None)
+
+
+def _check_spread(spec: LLMDeploymentSpec, role: RoleTuning) -> None:
+    """Refuse what a pool with pipeline stages, or over several nodes, cannot run yet."""
+    stages, nodes = int(role.pipeline_parallel_size.value), role.nodes_per_replica
+    if role.role in ("prefill", "decode") and stages > 1:
+        raise TuningError(
+            f"the {role.role} pool needs pipelineParallelSize {stages} "
+            f"({role.pipeline_parallel_size.reason}), but disaggregated pools run one pipeline "
+            "stage: the engine's KV transfer does not move the blocks of several stages yet; "
+            "allowed: a model that one node holds at TP alone, or topology.mode unified"
+        )
+    if nodes == 1:
+        return
+    where = f"the {role.role} pool spans {nodes} nodes per replica (a LeaderWorkerSet)"
+    policies = spec.autoscaling.policies() if spec.autoscaling is not None else {}
+    if role.role in policies:
+        raise TuningError(
+            f"autoscaling.{role.role}: {where}, and autoscaling such a pool is not supported "
+            f"yet; allowed: fixed replicas (topology.{role.role}.replicas, no "
+            f"autoscaling.{role.role})"
+        )
+    if spec.canary():
+        raise TuningError(
+            f"rollout.strategy canary: {where}, and a canary of such a pool is not supported "
+            "yet; allowed: rollout.strategy rolling (the LeaderWorkerSet replaces one group "
+            "at a time, a new one ready before an old one goes)"
+        )
 
 
 def _setting(
@@ -209,11 +271,42 @@ def _setting(
     return pool_value, f"spec.{section}.{field}"
 
 
-# --- tensor and data parallelism --------------------------------------------------------------
+# --- parallelism: tensor, pipeline, nodes and data --------------------------------------------
 
 
-def _tensor_parallel(spec: LLMDeploymentSpec, name: str, role: RoleSpec) -> Choice:
-    tp, where = _setting(
+@dataclass(frozen=True)
+class _Shape:
+    """The accelerators one replica may use: a node's, and the replica's as the spec gives them."""
+
+    size: int  # of one node: accelerator.perNode, else count (a replica is one pod)
+    count: int | None  # of one replica; None: sized from the weights (perNode given, no count)
+    per_node: bool  # whether accelerator.perNode is given: only then may a replica span nodes
+
+    @property
+    def budget(self) -> int:
+        """The most accelerators one replica may use."""
+        return self.count if self.count is not None else MAX_PARALLEL_SIZE
+
+    @property
+    def spans(self) -> bool:
+        """Whether accelerator.count itself asks for more than one node."""
+        return self.count is not None and self.count > self.size
+
+
+def _shape(spec: LLMDeploymentSpec) -> _Shape:
+    accelerator = spec.accelerator
+    assert accelerator is not None
+    count = accelerator.count
+    if count is None and accelerator.per_node is None:
+        count = 1
+    return _Shape(accelerator.node_size(), count, accelerator.per_node is not None)
+
+
+def _parallelism(
+    spec: LLMDeploymentSpec, name: str, role: RoleSpec
+) -> tuple[Choice, Choice, Choice, Choice]:
+    """(tensorParallelSize, pipelineParallelSize, nodesPerReplica, dataParallelSizeLocal)."""
+    tp_set, where = _setting(
         role.tensor_parallel_size,
         spec.parallelism.tensor_parallel_size,
         name,
@@ -221,12 +314,74 @@ def _tensor_parallel(spec: LLMDeploymentSpec, name: str, role: RoleSpec) -> Choi
         "parallelism",
     )
     if spec.accelerator is None:
-        if tp in ("auto", 1):
-            return Choice(1, "no accelerator: CPU pods run one worker", user_set=tp == 1)
-        return _cpu_tensor_parallel(spec, int(tp), where)
-    if tp == "auto":
-        return _auto_tensor_parallel(spec)
-    return _checked_tensor_parallel(spec, int(tp), where)
+        return _cpu_parallelism(spec, tp_set, where)
+    shape = _shape(spec)
+    pp_set = spec.parallelism.pipeline_parallel_size
+    if tp_set == "auto":
+        tp = _auto_tensor_parallel(spec, shape, pp_set)
+    else:
+        tp = _checked_tensor_parallel(spec, shape, int(tp_set), where)
+    pp = _pipeline_parallel(spec, shape, tp, pp_set)
+    tp, pp = _loadable(spec, tp, pp, where)
+    nodes = _nodes(spec, shape, int(tp.value), int(pp.value))
+    dp = _data_parallel(spec, shape, int(tp.value), int(pp.value), int(nodes.value))
+    return tp, pp, nodes, dp
+
+
+def _cpu_parallelism(
+    spec: LLMDeploymentSpec, tp_set: int | str, where: str
+) -> tuple[Choice, Choice, Choice, Choice]:
+    """CPU pods: ranks are worker processes that share a pod's CPUs and meet over gloo, in the
+    pod or, with nodesPerReplica, across pods. Nothing here is worth auto-picking: the user
+    sets TP (one rank per NUMA node pays), PP and the nodes (a model too large for one
+    machine's memory, or a test of the multi-node path)."""
+    pp_set = spec.parallelism.pipeline_parallel_size
+    nodes_set = spec.parallelism.nodes_per_replica
+    if pp_set != "auto":
+        pp = Choice(
+            int(pp_set),
+            f"set in spec.parallelism.pipelineParallelSize: the layers split into {pp_set} "
+            "stages, each its own worker process(es), handing activations on over gloo",
+            user_set=True,
+        )
+    elif nodes_set != "auto" and nodes_set > 1:
+        pp = Choice(
+            int(nodes_set),
+            f"no accelerator: one stage per node of spec.parallelism.nodesPerReplica {nodes_set}",
+        )
+    else:
+        pp = Choice(
+            1, "no accelerator: one stage, unless spec.parallelism.pipelineParallelSize says more"
+        )
+    stages = int(pp.value)
+    if tp_set in ("auto", 1):
+        worker = "one worker" if stages == 1 else "one worker per pipeline stage"
+        tp = Choice(1, f"no accelerator: CPU pods run {worker}", user_set=tp_set == 1)
+    else:
+        tp = _cpu_tensor_parallel(spec, int(tp_set), where)
+    ranks = int(tp.value) * stages
+    if nodes_set == "auto":
+        nodes = Choice(
+            1, "no accelerator: one pod, unless spec.parallelism.nodesPerReplica says more"
+        )
+    else:
+        _check_node_split(
+            int(nodes_set), int(tp.value), stages, MAX_CPU_TENSOR_PARALLEL, "a CPU pod runs at most"
+        )
+        nodes = Choice(
+            nodes_set,
+            f"set in spec.parallelism.nodesPerReplica: {nodes_set} pod(s) of {ranks // nodes_set} "
+            "worker process(es), meeting over TCP (torch.distributed over gloo)",
+            user_set=True,
+        )
+    per_pod = ranks // int(nodes.value)
+    if per_pod > MAX_CPU_TENSOR_PARALLEL:
+        raise TuningError(
+            f"TP {tp.value} x PP {stages} over {nodes.value} pod(s) is {per_pod} worker processes "
+            f"per pod, but a CPU pod runs at most {MAX_CPU_TENSOR_PARALLEL}; allowed: more "
+            "spec.parallelism.nodesPerReplica, or fewer ranks"
+        )
+    return tp, pp, nodes, _cpu_data_parallel(spec)
 
 
 def _cpu_tensor_parallel(spec: LLMDeploymentSpec, tp: int, where: str) -> Choice:
@@ -254,32 +409,75 @@ def _cpu_tensor_parallel(spec: LLMDeploymentSpec, tp: int, where: str) -> Choice
     )
 
 
-def _auto_tensor_parallel(spec: LLMDeploymentSpec) -> Choice:
-    """The smallest power of two whose weight share fits and that divides the heads."""
-    assert spec.accelerator is not None
+def _cpu_data_parallel(spec: LLMDeploymentSpec) -> Choice:
+    dp = spec.parallelism.data_parallel_size_local
+    if dp not in ("auto", 1):
+        raise TuningError(
+            f"spec.parallelism.dataParallelSizeLocal is {dp}, but spec.accelerator is absent "
+            "and CPU pods run one engine core; allowed: 1 or auto"
+        )
+    return Choice(1, "no accelerator: CPU pods run one engine core", user_set=dp == 1)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`."""
+    return [1 << k for k in range(limit.bit_length())]
+
+
+def _node_tensor_parallel(size: int, heads: list[tuple[str, int]]) -> int:
+    """The widest TP of a replica over nodes: a power of two that divides a node's
+    accelerators (each node holds whole tensor-parallel groups) and the heads."""
+    return max(n for n in _powers_of_two(size) if size % n == 0 and _divides(n, heads))
+
+
+def _auto_tensor_parallel(spec: LLMDeploymentSpec, shape: _Shape, pp_set: int | str) -> Choice:
+    """Within a node: the smallest power of two whose weight share fits and that divides the
+    heads. Over nodes (the weights need more than a node, or accelerator.count asks for more):
+    as wide as a node allows, with pipeline stages across the nodes."""
     weights, heads = _weight_bytes(spec.model), _heads(spec.model)
+    if shape.spans:
+        tp = _node_tensor_parallel(shape.size, heads)
+        reason = (
+            f"accelerator.count {shape.count} spans {shape.count // shape.size} nodes of "
+            f"accelerator.perNode {shape.size}: TP {tp}, the widest that divides perNode "
+            f"{shape.size}{_heads_note(tp, heads)}; pipeline stages take the other nodes"
+        )
+        if weights is not None:
+            capacity, _ = _weight_room(spec)
+            if weights / shape.budget > capacity:
+                raise _does_not_fit(spec, shape)
+            fits = _needed(weights, capacity, shape.size)
+            if fits is not None:
+                reason += f" (the weights would fit {fits} accelerator(s) of one node)"
+        return Choice(tp, reason)
     if weights is None:
         return Choice(1, "model.parameterCount not given, so the weights' size is unknown: TP 1")
     capacity, room = _weight_room(spec)
-    count = spec.accelerator.count
-    largest = 1 << (count.bit_length() - 1)  # largest power of two <= count
-    sizes = [1 << k for k in range(largest.bit_length())]
-    needed = next((n for n in sizes if weights / n <= capacity), None)
+    if pp_set != "auto":
+        return _stages_tensor_parallel(spec, shape, int(pp_set))
+    needed = _needed(weights, capacity, shape.budget)
     if needed is None:
-        raise TuningError(
-            f"{_weights_text(spec.model)} do not fit: {_gb(weights / largest)} per accelerator "
-            f"even at TP {largest} (accelerator.count {count}) exceeds {room}; allowed: more "
-            "accelerator memory (accelerator.memoryGiB), more accelerators per pod "
-            "(accelerator.count), or a smaller dtype"
+        raise _does_not_fit(spec, shape)
+    if needed > shape.size:
+        tp = _node_tensor_parallel(shape.size, heads)
+        return Choice(
+            tp,
+            f"{_weights_text(spec.model)} need {needed} accelerators to fit {room}, more than "
+            f"one node has (accelerator.perNode {shape.size}): TP {tp}, the widest that "
+            f"divides perNode {shape.size}{_heads_note(tp, heads)}; pipeline stages take the "
+            "other nodes",
         )
-    # Powers of two that divide a head count are 1, 2, ... up to some limit: the heads can only
-    # forbid the size the weights need, never ask for a larger one.
+    sizes = _powers_of_two(needed)
+    # Powers of two that divide a head count are 1, 2, ... up to some limit: the heads can
+    # only forbid the size the weights need, never ask for a larger one.
     if not _divides(needed, heads):
-        usable = [n for n in sizes if _divides(n, heads)]
-        raise TuningError(
-            f"{_weights_text(spec.model)} need TP {needed} to fit {room}, but "
+        tp = max(n for n in sizes if _divides(n, heads))
+        return Choice(
+            tp,
+            f"{_weights_text(spec.model)} need {needed} accelerators to fit {room}, but "
             f"{' and '.join(f'model.{f} {c}' for f, c in heads)} divide only by "
-            f"{', '.join(map(str, usable))}; allowed: accelerators with more memory"
+            f"{', '.join(str(n) for n in sizes if _divides(n, heads))}: TP {tp}, and pipeline "
+            "stages hold the rest",
         )
     smaller = [str(n) for n in sizes if n < needed]
     if smaller:
@@ -290,37 +488,277 @@ def _auto_tensor_parallel(spec: LLMDeploymentSpec) -> Choice:
     return Choice(needed, f"{_weights_text(spec.model)}{fit}{_heads_note(needed, heads)}")
 
 
-def _checked_tensor_parallel(spec: LLMDeploymentSpec, tp: int, where: str) -> Choice:
-    """A user's TP, refused when the pod lacks the accelerators, heads or memory for it."""
-    assert spec.accelerator is not None
-    count, heads = spec.accelerator.count, _heads(spec.model)
-    if tp > count:
+def _needed(weights: float, capacity: float, budget: int) -> int | None:
+    """The fewest accelerators, a power of two up to `budget`, whose weight share fits."""
+    return next((n for n in _powers_of_two(budget) if weights / n <= capacity), None)
+
+
+def _stages_tensor_parallel(spec: LLMDeploymentSpec, shape: _Shape, pp: int) -> Choice:
+    """TP for a user's pipelineParallelSize: the smallest power of two, within a node and the
+    heads, at which each stage's share fits; else the widest, and `_loadable` decides."""
+    weights, heads = _weight_bytes(spec.model), _heads(spec.model)
+    assert weights is not None
+    capacity, room = _weight_room(spec)
+    usable = [
+        n for n in _powers_of_two(shape.size) if _divides(n, heads) and n * pp <= shape.budget
+    ] or [1]
+    tp = next((n for n in usable if weights / (n * pp) <= capacity), usable[-1])
+    share = weights / (tp * pp)
+    fits = "fits" if share <= capacity else "does not fit"
+    return Choice(
+        tp,
+        f"{_weights_text(spec.model)} over spec.parallelism.pipelineParallelSize {pp} stages "
+        f"{fits} {room} at TP {tp} ({_gb(share)} per accelerator){_heads_note(tp, heads)}",
+    )
+
+
+def _checked_tensor_parallel(spec: LLMDeploymentSpec, shape: _Shape, tp: int, where: str) -> Choice:
+    """A user's TP, refused when a node lacks the accelerators or the heads do not divide."""
+    heads = _heads(spec.model)
+    if shape.per_node and tp > shape.budget:
         raise TuningError(
-            f"{where} {tp} is larger than accelerator.count {count}; "
-            f"allowed: at most {count}, the accelerators of one pod"
+            f"{where} {tp} is larger than accelerator.count {shape.count}; allowed: at most "
+            f"{shape.count}, the accelerators of one replica"
+        )
+    if tp > shape.size:
+        if shape.per_node:
+            raise TuningError(
+                f"{where} {tp} is larger than accelerator.perNode {shape.size}: tensor "
+                "parallelism all-reduces inside every layer and stays within a node; allowed: "
+                f"at most {shape.size}, and pipelineParallelSize for more accelerators"
+            )
+        raise TuningError(
+            f"{where} {tp} is larger than accelerator.count {shape.size}; "
+            f"allowed: at most {shape.size}, the accelerators of one pod"
         )
     for field, heads_count in heads:
         if heads_count % tp:
-            allowed = [n for n in range(1, count + 1) if _divides(n, heads)]
+            allowed = [n for n in range(1, shape.size + 1) if _divides(n, heads)]
             raise TuningError(
                 f"{where} {tp} does not divide model.{field} {heads_count}; allowed: "
                 f"{', '.join(map(str, allowed))} (or auto)"
             )
-    reason = f"set in {where}{_heads_note(tp, heads)}"
+    return Choice(tp, f"set in {where}{_heads_note(tp, heads)}", user_set=True)
+
+
+def _pipeline_parallel(
+    spec: LLMDeploymentSpec, shape: _Shape, tp_choice: Choice, pp_set: int | str
+) -> Choice:
+    """Stages: the fewest (a power of two) at which the weights fit beside TP, within the
+    replica's accelerators; beside a user's TP, the fewest at which they load at all (the
+    user may knowingly leave less room for the KV cache). accelerator.count above a node
+    fills its nodes."""
+    tp = int(tp_choice.value)
+    if pp_set != "auto":
+        pp = int(pp_set)
+        if tp * pp > shape.budget:
+            raise TuningError(
+                f"tensorParallelSize {tp} x spec.parallelism.pipelineParallelSize {pp} = "
+                f"{tp * pp} accelerators, but accelerator.count is {shape.count}; allowed: a "
+                f"pipelineParallelSize of at most {shape.budget // tp}"
+            )
+        return Choice(
+            pp,
+            f"set in spec.parallelism.pipelineParallelSize: {pp} stages of TP {tp}, "
+            f"{tp * pp} accelerators",
+            user_set=True,
+        )
+    if shape.spans:
+        assert shape.count is not None
+        if shape.count % tp:
+            raise TuningError(
+                f"accelerator.count {shape.count} is not a multiple of tensorParallelSize {tp}: "
+                "every pipeline stage holds the same TP; allowed: a tensorParallelSize that "
+                f"divides accelerator.perNode {shape.size}, or auto"
+            )
+        pp = shape.count // tp
+        return Choice(
+            pp,
+            f"accelerator.count {shape.count} / TP {tp} = {pp} stages; stages run one after "
+            f"another, so a step takes about as long as at TP {tp} alone",
+        )
     weights = _weight_bytes(spec.model)
     if weights is None:
-        return Choice(tp, reason, user_set=True)
-    # The user may knowingly leave less than the usual room for the KV cache; only weights
-    # that cannot load at all are refused.
-    share, memory = weights / tp, spec.accelerator.memory_gi_b
+        return Choice(
+            1, "model.parameterCount not given, so the weights' size is unknown: one stage"
+        )
+    assert spec.accelerator is not None
+    capacity, room = _weight_room(spec)
+    if tp_choice.user_set:
+        memory = spec.accelerator.memory_gi_b
+        capacity, room = memory * GIB, f"accelerator.memoryGiB {memory:g}"
+    stages = _powers_of_two(shape.budget // tp) or [1]
+    pp = next((s for s in stages if weights / (tp * s) <= capacity), None)
+    if pp is None:
+        return Choice(
+            1,
+            f"one stage: more would need more than the {shape.budget} accelerators of "
+            f"{'accelerator.count' if shape.count is not None else 'one replica'}",
+        )
+    if pp == 1:
+        return Choice(1, f"the weights fit at TP {tp}: one stage")
+    return Choice(
+        pp,
+        f"{_weights_text(spec.model)} do not fit {room} at TP {tp} alone: {pp} stages of TP "
+        f"{tp} hold {_gb(weights / (tp * pp))} per accelerator; stages run one after another, "
+        f"so a step takes about as long as at TP {tp} alone",
+    )
+
+
+def _loadable(spec: LLMDeploymentSpec, tp: Choice, pp: Choice, where: str) -> tuple[Choice, Choice]:
+    """A user's TP or PP: refused when a share of the weights cannot load; else its reason
+    says how much room it leaves. The user may knowingly leave less than the usual room for
+    the KV cache."""
+    weights = _weight_bytes(spec.model)
+    if weights is None or not (tp.user_set or pp.user_set):
+        return tp, pp
+    assert spec.accelerator is not None
+    size, stages = int(tp.value), int(pp.value)
+    share, memory = weights / (size * stages), spec.accelerator.memory_gi_b
     if share > memory * GIB:
+        setting = (
+            f"{where} {size}" if tp.user_set else f"spec.parallelism.pipelineParallelSize {stages}"
+        )
         raise TuningError(
-            f"{where} {tp}: {_weights_text(spec.model)} is {_gb(share)} per accelerator, more "
-            f"than accelerator.memoryGiB {memory:g}; allowed: a larger tensorParallelSize, or auto"
+            f"{setting}: {_weights_text(spec.model)} is {_gb(share)} per accelerator, more "
+            f"than accelerator.memoryGiB {memory:g}; allowed: a larger tensorParallelSize or "
+            "pipelineParallelSize, or auto"
         )
     capacity, room = _weight_room(spec)
     fits = "within" if share <= capacity else "above (little room left for the KV cache)"
-    return Choice(tp, f"{reason}; {_gb(share)} of weights per accelerator, {fits} {room}", True)
+    note = f"; {_gb(share)} of weights per accelerator, {fits} {room}"
+    if tp.user_set:
+        return Choice(tp.value, tp.reason + note, True), pp
+    return tp, Choice(pp.value, pp.reason + note, True)
+
+
+def _does_not_fit(spec: LLMDeploymentSpec, shape: _Shape) -> TuningError:
+    """Weights that no TP x PP of the replica holds: what was tried, and what would hold them."""
+    weights = _weight_bytes(spec.model)
+    assert weights is not None
+    capacity, room = _weight_room(spec)
+    most = shape.budget if shape.spans else _powers_of_two(shape.budget)[-1]
+    need = _needed(weights, capacity, 1 << 30)
+    assert need is not None
+    size = shape.size
+    whole = -(-need // size) * size  # whole nodes
+    text = f"{_weights_text(spec.model)} do not fit: {_gb(weights / most)} per accelerator"
+    if not shape.per_node:
+        allowed = (
+            "more accelerator memory (accelerator.memoryGiB), more accelerators per pod "
+            "(accelerator.count), or a smaller dtype"
+        )
+        if whole <= MAX_PARALLEL_SIZE:
+            allowed = (
+                f"{allowed.replace(', or', ',')}, or a replica over {whole // size} nodes: "
+                f"accelerator.perNode {size} with count {whole} (or no count, to size it from "
+                "the weights)"
+            )
+        return TuningError(
+            f"{text} even at TP {most} (accelerator.count {shape.count}) exceeds {room}; "
+            f"allowed: {allowed}"
+        )
+    nodes = f"{-(-most // size)} node(s) of accelerator.perNode {size}"
+    if shape.count is None:
+        return TuningError(
+            f"{text} even at {most} accelerators ({nodes}, the most one replica may have) "
+            f"exceeds {room}; allowed: more accelerator memory (accelerator.memoryGiB) or a "
+            "smaller dtype"
+        )
+    hint = (
+        f"accelerator.count {whole} ({whole // size} nodes), or no count to size the replica "
+        "from the weights"
+        if whole <= MAX_PARALLEL_SIZE
+        else "more accelerator memory (accelerator.memoryGiB) or a smaller dtype"
+    )
+    return TuningError(
+        f"{text} even at accelerator.count {shape.count} ({nodes}) exceeds {room}; they need "
+        f"{need} accelerators; allowed: {hint}"
+    )
+
+
+def _check_node_split(nodes: int, tp: int, pp: int, per_pod: int, limit: str) -> None:
+    """nodesPerReplica: each node runs whole pipeline stages, at most `per_pod` ranks."""
+    allowed = [n for n in range(1, pp + 1) if pp % n == 0 and tp * pp // n <= per_pod]
+    shown = ", ".join(map(str, allowed)) or "none at this TP and PP"
+    if pp % nodes:
+        raise TuningError(
+            f"spec.parallelism.nodesPerReplica {nodes} does not divide pipelineParallelSize "
+            f"{pp}: each node runs whole pipeline stages (a tensor-parallel group all-reduces "
+            f"inside every layer, and stays within a node); allowed: {shown}"
+        )
+    if tp * pp // nodes > per_pod:
+        raise TuningError(
+            f"spec.parallelism.nodesPerReplica {nodes}: TP {tp} x PP {pp} puts "
+            f"{tp * pp // nodes} ranks on each pod, but {limit} {per_pod}; allowed: {shown}"
+        )
+
+
+def _nodes(spec: LLMDeploymentSpec, shape: _Shape, tp: int, pp: int) -> Choice:
+    """Pods of one replica: the fewest that hold its ranks, each node whole stages."""
+    ranks = tp * pp
+    nodes_set = spec.parallelism.nodes_per_replica
+    if nodes_set != "auto":
+        if nodes_set > 1 and not shape.per_node:
+            raise TuningError(
+                f"spec.parallelism.nodesPerReplica {nodes_set} needs accelerator.perNode: "
+                "without it a replica is one pod of accelerator.count accelerators"
+            )
+        _check_node_split(int(nodes_set), tp, pp, shape.size, "accelerator.perNode is")
+        return Choice(
+            nodes_set,
+            f"set in spec.parallelism.nodesPerReplica: {ranks // nodes_set} of the {ranks} "
+            "ranks on each pod",
+            user_set=True,
+        )
+    if ranks <= shape.size:
+        where = f"accelerator.perNode {shape.size}" if shape.per_node else "accelerator.count"
+        return Choice(1, f"TP {tp} x PP {pp} = {ranks} ranks fit one pod ({where})")
+    per_node = shape.size // tp
+    nodes = next(n for n in range(1, pp + 1) if pp % n == 0 and pp // n <= per_node)
+    return Choice(
+        nodes,
+        f"TP {tp} x PP {pp} = {ranks} ranks, {ranks // nodes} per node of accelerator.perNode "
+        f"{shape.size} (whole tensor-parallel groups): {nodes} pods per replica, run as one "
+        "LeaderWorkerSet group",
+    )
+
+
+def _data_parallel(spec: LLMDeploymentSpec, shape: _Shape, tp: int, pp: int, nodes: int) -> Choice:
+    dp = spec.parallelism.data_parallel_size_local
+    if nodes > 1:
+        if dp not in ("auto", 1):
+            raise TuningError(
+                f"spec.parallelism.dataParallelSizeLocal is {dp}, but a replica spans {nodes} "
+                "nodes and runs one engine core; allowed: 1 or auto (more copies: more replicas)"
+            )
+        return Choice(
+            1,
+            f"a replica over {nodes} nodes runs one engine core, one model copy; more copies "
+            "are more replicas",
+            user_set=dp == 1,
+        )
+    count = shape.size if shape.count is None else min(shape.count, shape.size)
+    ranks = tp * pp
+    shown = f"TP {tp}" if pp == 1 else f"(TP {tp} x PP {pp})"
+    if dp != "auto":
+        if ranks * dp > count:
+            total = "accelerator.count is" if shape.count is not None else "accelerator.perNode is"
+            raise TuningError(
+                f"tensorParallelSize {tp} x "
+                + (f"pipelineParallelSize {pp} x " if pp > 1 else "")
+                + f"spec.parallelism.dataParallelSizeLocal {dp} = {ranks * dp} accelerators, "
+                f"but {total} {count}; allowed: a dataParallelSizeLocal of at most {count // ranks}"
+            )
+        reason = (
+            f"set in spec.parallelism.dataParallelSizeLocal; {shown} x DP {dp} uses {ranks * dp}"
+        )
+        return Choice(dp, f"{reason} of {count} accelerators", user_set=True)
+    dp = max(1, count // ranks)
+    reason = f"{count} accelerators // {shown} = {dp} engine core(s) per pod, one model copy each"
+    if count - ranks * dp:
+        reason += f"; {count - ranks * dp} accelerators left unused"
+    return Choice(dp, reason)
 
 
 def _weight_room(spec: LLMDeploymentSpec) -> tuple[float, str]:
@@ -329,33 +767,6 @@ def _weight_room(spec: LLMDeploymentSpec) -> tuple[float, str]:
     memory = spec.accelerator.memory_gi_b
     capacity = WEIGHT_MEMORY_FRACTION * memory * GIB
     return capacity, f"{WEIGHT_MEMORY_FRACTION:g} x {memory:g} GiB ({_gb(capacity)})"
-
-
-def _data_parallel(spec: LLMDeploymentSpec, tp: int) -> Choice:
-    dp = spec.parallelism.data_parallel_size_local
-    accelerator = spec.accelerator
-    if accelerator is None:
-        if dp not in ("auto", 1):
-            raise TuningError(
-                f"spec.parallelism.dataParallelSizeLocal is {dp}, but spec.accelerator is absent "
-                "and CPU pods run one engine core; allowed: 1 or auto"
-            )
-        return Choice(1, "no accelerator: CPU pods run one engine core", user_set=dp == 1)
-    count = accelerator.count
-    if dp != "auto":
-        if tp * dp > count:
-            raise TuningError(
-                f"tensorParallelSize {tp} x spec.parallelism.dataParallelSizeLocal {dp} = "
-                f"{tp * dp} accelerators, but accelerator.count is {count}; allowed: a "
-                f"dataParallelSizeLocal of at most {count // tp}"
-            )
-        reason = f"set in spec.parallelism.dataParallelSizeLocal; TP {tp} x DP {dp} uses {tp * dp}"
-        return Choice(dp, f"{reason} of {count} accelerators", user_set=True)
-    dp = max(1, count // tp)
-    reason = f"{count} accelerators // TP {tp} = {dp} engine core(s) per pod, one model copy each"
-    if count - tp * dp:
-        reason += f"; {count - tp * dp} accelerators left unused"
-    return Choice(dp, reason)
 
 
 def _heads(model: ModelSpec) -> list[tuple[str, int]]:

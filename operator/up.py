@@ -16,19 +16,29 @@ these local substitutions only:
 - the model source becomes a local folder (`--model-dir`, or the hostPath when it exists);
 - a Service becomes the URLs of the replicas behind it (the router's --prefill/--decode);
 - accelerator requests are ignored on a machine without CUDA (`--device cpu`, with a warning).
+A LeaderWorkerSet pool (replicas over several nodes) runs each replica as a group of
+processes, a pod of the group each, that meet over TCP as the pods would: the leader runs
+`tidegate serve ... --node-rank 0 --master-addr 127.0.0.1 --master-port P` and the others the
+worker command with their node rank, P a free port of the group's (P + 1 too: the leader's
+control channel), for LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX. Only the
+leader serves HTTP.
 The public endpoint (`--port`) is the router, or the engine of a one-replica unified pool, or
 a router balancing whole requests over several unified replicas. A process that exits is
-restarted like the kubelet does, after a backoff that doubles; SIGTERM or Ctrl-C stops them
-all, each with its whole process session, so nothing is left behind. Should up itself be
+restarted like the kubelet does, after a backoff that doubles; a group is restarted as a
+unit, as LWS's RecreateGroupOnPodRestart does: when one of its processes exits, the others
+are stopped, and after the backoff all start again (on fresh ports). SIGTERM or Ctrl-C stops
+them all, each with its whole process session, so nothing is left behind. Should up itself be
 killed, the kernel sends each pod SIGTERM (on Linux), so nothing is left behind then either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,9 +60,14 @@ from tidegate.operator.render import (
     API_KEY_FILE,
     CACHE_DIR,
     CONFIG_DIR,
+    LWS_GROUP_SIZE,
+    LWS_LEADER_ADDRESS,
+    LWS_WORKER_INDEX,
     SECRET_DIR,
     Rendered,
     RenderOptions,
+    is_pool,
+    pod_template,
     render,
 )
 from tidegate.operator.rollout import CANARY_SUFFIX
@@ -72,6 +87,8 @@ logger = logging.getLogger("tidegate.up")
 BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 # Roles started first (their URLs are the router's arguments); the router last.
 START_ORDER = ("unified", "prefill", "decode", "router")
+# How long the rest of a group may take to stop once one of its processes has exited.
+GROUP_STOP_S = 10.0
 
 
 @dataclass
@@ -97,10 +114,19 @@ class LocalPod:
     draining: threading.Thread | None = None
     # "canary": the one pod of a role that runs a change first (operator/up_rollout.py).
     track: str = "stable"
+    # A LeaderWorkerSet pool's replica: the group's name, and this pod's index in it (0: the
+    # leader, the only one that serves HTTP). None: a Deployment's pod.
+    group: str | None = None
+    node_rank: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def serves(self) -> bool:
+        """Whether the pod answers HTTP (all but a group's worker pods)."""
+        return self.node_rank == 0
 
     def start(self) -> None:
         if self.server is not None:
@@ -218,12 +244,15 @@ def plan(
             raise UpError(str(error)) from None
         write_adapters_file(config_dir / ADAPTERS_KEY, entries)
     deployments = sorted(
-        (o for o in rendered.objects if o["kind"] == "Deployment"),
+        (o for o in rendered.objects if is_pool(o)),
         key=lambda o: START_ORDER.index(o["metadata"]["labels"][COMPONENT_LABEL]),
     )
     pods: list[LocalPod] = []
     for deployment in deployments:
         role = deployment["metadata"]["labels"][COMPONENT_LABEL]
+        if deployment["kind"] == "LeaderWorkerSet":
+            pods += _group_pods(deployment, config_dir, workdir)
+            continue
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         if role in policies:
             pool = rendered.spec.topology.roles()[role]
@@ -246,6 +275,59 @@ def plan(
             pods.append(LocalPod(role, name, command, 0, log, active=False, track="canary"))
     _assign_ports_and_flags(pods, model_dir, port, rendered, autoscaled=set(policies))
     return pods, rendered.spec
+
+
+def _group_pods(lws: dict[str, Any], config_dir: Path, workdir: Path) -> list[LocalPod]:
+    """A LeaderWorkerSet's groups as processes: per replica its leader, then its workers, named
+    as LWS names the pods (`<lws>-<group>`, `<lws>-<group>-<index>`). What LWS's webhook puts
+    in the containers becomes this machine's: the leader at 127.0.0.1, the group's size, each
+    pod's index; `set_master_port` gives each group its own rendezvous port."""
+    role = lws["metadata"]["labels"][COMPONENT_LABEL]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    leader_args = pod_template(lws)["spec"]["containers"][0]["args"]
+    worker_args = template["workerTemplate"]["spec"]["containers"][0]["args"]
+    pods = []
+    for index in range(lws["spec"]["replicas"]):
+        group = f"{lws['metadata']['name']}-{index}"
+        members = []
+        for rank in range(size):
+            values = {LWS_LEADER_ADDRESS: "127.0.0.1", LWS_GROUP_SIZE: str(size)}
+            values[LWS_WORKER_INDEX] = str(rank)
+            args = [
+                values.get(arg, arg.replace(CONFIG_DIR, str(config_dir)))
+                for arg in (worker_args if rank else leader_args)
+            ]
+            name = group if rank == 0 else f"{group}-{rank}"
+            command = [*tidegate_command(), *args]
+            log = workdir / f"{name}.log"
+            members.append(LocalPod(role, name, command, 0, log, group=group, node_rank=rank))
+        set_master_port(members)
+        pods += members
+    return pods
+
+
+def set_master_port(members: list[LocalPod]) -> int:
+    """Give a group a fresh rendezvous port, free with the next one (the leader's control
+    channel), in every member's `--master-port`; the port. Not the one it had: a restarted
+    group's old sockets may linger."""
+    at = members[0].command.index("--master-port") + 1
+    port = free_port()
+    while str(port) == members[0].command[at] or not _free(port + 1):
+        port = free_port()
+    for pod in members:
+        at = pod.command.index("--master-port") + 1
+        pod.command[at] = str(port)
+    return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -299,8 +381,8 @@ def _local_secrets(
     secrets = [
         volume["secret"]
         for o in rendered.objects
-        if o["kind"] == "Deployment"
-        for volume in o["spec"]["template"]["spec"]["volumes"]
+        if is_pool(o)
+        for volume in pod_template(o)["spec"]["volumes"]
         if "secret" in volume
     ]
     if not secrets:
@@ -321,12 +403,18 @@ def _local_secrets(
 def _assign_ports_and_flags(
     pods: list[LocalPod], model_dir: Path, port: int, rendered: Rendered, autoscaled: set[str]
 ) -> None:
-    engines = [p for p in pods if p.role != "router"]
+    for pod in pods:
+        if not pod.serves:
+            # The leader hands its configuration to the group's other pods.
+            pod.flags = {"nodeRank": pod.node_rank}
+    engines = [p for p in pods if p.role != "router" and p.serves]
     # A lone engine serves on the public port, unless autoscaled: at zero, or while a
     # replica starts, the router in front holds the requests.
     alone = len(engines) == 1 and not autoscaled
     public = [p for p in pods if p.role == "router"] or (engines if alone else [])
     for pod in pods:
+        if not pod.serves:
+            continue
         pod.port = port if pod in public else free_port()
         pod.command += ["--host", "127.0.0.1", "--port", str(pod.port)]
     for pod in engines:
@@ -405,9 +493,11 @@ def warn_about_machine(pods: list[LocalPod]) -> list[str]:
     cores = available_cpus()
     warnings = []
     ranks = sum(
-        int(p.flags.get("tensorParallelSize", 1)) * int(p.flags.get("dataParallelSizeLocal", 1))
+        int(p.flags.get("tensorParallelSize", 1))
+        * int(p.flags.get("pipelineParallelSize", 1))
+        * int(p.flags.get("dataParallelSizeLocal", 1))
         for p in pods
-        if p.role != "router"
+        if p.role != "router" and p.serves
     )
     if ranks > cores:
         warnings.append(
@@ -418,8 +508,20 @@ def warn_about_machine(pods: list[LocalPod]) -> list[str]:
     return warnings
 
 
+def units(pods: list[LocalPod]) -> list[list[LocalPod]]:
+    """The pods as what starts and restarts together: a group's pods (leader first), or one."""
+    out: list[list[LocalPod]] = []
+    for pod in pods:
+        if pod.group is not None and out and out[-1][0].group == pod.group:
+            out[-1].append(pod)
+        else:
+            out.append([pod])
+    return out
+
+
 class Supervisor:
-    """Starts the pods in order, restarts those that exit, stops them all on request."""
+    """Starts the pods in order, restarts those that exit (a group's as a unit), stops them
+    all on request."""
 
     def __init__(
         self, pods: list[LocalPod], startup_timeout_s: float = 300.0, drain_timeout_s: float = 60.0
@@ -449,31 +551,63 @@ class Supervisor:
             self._stopped.wait()
 
     def start(self) -> None:
-        """Start every pod and wait until each is ready (engines before the router).
+        """Start every pod and wait until each is ready (engines before the router); a
+        group's pods all at once, then its leader is waited for (it is ready once they have
+        joined it).
 
         A pod that exits or does not become ready sets `error`. Pods turned off (the
         replicas an autoscaled pool does not start with) are left for watch() to start.
         """
-        for pod in self.pods:
-            if not pod.active:
+        for unit in units(self.pods):
+            if not unit[0].active:
                 continue
             with self._launching:
                 if self.stopping.is_set():
                     return
-                pod.start()
-            assert pod.server is not None
+                for pod in unit:
+                    pod.start()
+            leader = unit[0]
+            assert leader.server is not None
             try:
-                pod.server.wait_healthy(self.startup_timeout_s)
+                self._wait_healthy(unit)
             except RuntimeError as error:
-                self.error = f"{pod.name} did not become ready: {error}"
+                self.error = f"{leader.name} did not become ready: {error}"
                 return
+
+    def _wait_healthy(self, unit: list[LocalPod]) -> None:
+        """Until the unit's leader answers /health; RuntimeError if any of its pods exits."""
+        leader = unit[0]
+        assert leader.server is not None
+        if len(unit) == 1:
+            leader.server.wait_healthy(self.startup_timeout_s)
+            return
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            for pod in unit:
+                code = pod.exited()
+                if code is not None:
+                    raise RuntimeError(
+                        f"{pod.name} exited with code {container_exit_code(code)} (its log: "
+                        f"{pod.log_path})"
+                    )
+            with contextlib.suppress(RuntimeError):  # not yet: look at the workers again
+                leader.server.wait_healthy(1.0)
+                return
+        raise RuntimeError(f"not healthy within {self.startup_timeout_s:.0f} s")
 
     def watch(self, poll_s: float = 0.2) -> None:
         """Until stopped: restart exited pods with a doubling backoff, as the kubelet does;
         start the pods the autoscaler turned on, drain those it turned off."""
         while not self.stopping.wait(poll_s):
             now = time.monotonic()
-            for pod in self.pods:
+            for unit in units(self.pods):
+                if unit[0].group is not None:
+                    with self._launching:
+                        if self.stopping.is_set():
+                            return
+                        self._watch_group(unit, now)
+                    continue
+                pod = unit[0]
                 if not pod.active or pod.server is None:
                     self._follow_autoscaler(pod)
                     continue
@@ -486,6 +620,39 @@ class Supervisor:
                     if self.stopping.is_set():
                         return
                     self._restart_after_backoff(pod, code, now)
+
+    def _watch_group(self, group: list[LocalPod], now: float) -> None:
+        """A group as LWS's RecreateGroupOnPodRestart runs it: once any of its pods exits, stop
+        the others (the leader fails its requests, the workers exit without it), and after
+        the backoff start them all again, on a fresh rendezvous port."""
+        leader = group[0]
+        exited = [(pod, code) for pod in group if (code := pod.exited()) is not None]
+        if not exited and leader.restart_at is None:
+            if now - leader.started_at > STABLE_S:
+                leader.backoff_s = BACKOFF_S
+            return
+        if leader.restart_at is None:
+            for pod, code in exited:
+                logger.warning(
+                    "%s (pid %s) exited with code %s", pod.name, pod.pid, container_exit_code(code)
+                )
+            for pod in group:
+                if pod.server is not None and pod.exited() is None:
+                    pod.server.stop(timeout=GROUP_STOP_S)
+            leader.restart_at = now + leader.backoff_s
+            logger.warning(
+                "group %s stopped; restarting its %d pods in %.0f s",
+                leader.group,
+                len(group),
+                leader.backoff_s,
+            )
+            leader.backoff_s = min(leader.backoff_s * 2, MAX_BACKOFF_S)
+        elif now >= leader.restart_at:
+            set_master_port(group)
+            for pod in group:
+                pod.restarts += 1
+                pod.start()
+                logger.info("%s restarted (pid %s)", pod.name, pod.pid)
 
     def _follow_autoscaler(self, pod: LocalPod) -> None:
         """Start a pod turned on (not before the last run has drained); drain one turned off."""
@@ -518,10 +685,11 @@ class Supervisor:
             logger.info("%s restarted (pid %s)", pod.name, pod.pid)
 
     def stop(self) -> None:
-        """Stop the router first, then the engines; each with its whole session."""
+        """Stop the router first, then the engines, a group's leader before its workers (it
+        drains its requests while they still run); each with its whole session."""
         with self._launching:
             self.stopping.set()
-        for pod in reversed(self.pods):
+        for pod in [pod for unit in reversed(units(self.pods)) for pod in unit]:
             if pod.draining is not None:
                 pod.draining.join()
             if pod.server is not None:
@@ -577,7 +745,8 @@ def table(pods: list[LocalPod]) -> Iterator[str]:
     yield f"{'ROLE':8} {'NAME':28} {'PID':>7}  {'URL':24} FLAGS"
     for pod in pods:
         flags = " ".join(f"{k}={v}" for k, v in pod.flags.items())
-        yield f"{pod.role:8} {pod.name:28} {pod.pid or '-':>7}  {pod.url:24} {flags}"
+        url = pod.url if pod.serves else "-"
+        yield f"{pod.role:8} {pod.name:28} {pod.pid or '-':>7}  {url:24} {flags}"
 
 
 def adapter_watcher(

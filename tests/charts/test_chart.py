@@ -410,7 +410,9 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
 
     The story: an LLMDeployment is created (children created, status patched), switched from
     unified to disaggregated with an HPA per pool and an InferencePool (the unified Deployment
-    and PDB deleted as stale), someone edits every child (each applied back), the driver becomes KEDA (the HPAs
+    and PDB deleted as stale), someone edits every child (each applied back), it becomes a
+    unified pool over two nodes (a LeaderWorkerSet, edited and applied back) and disaggregated
+    again (the LeaderWorkerSet deleted as stale), the driver becomes KEDA (the HPAs
     deleted, ScaledObjects created) and every child is edited again, then the operator's own
     autoscaler drives the pools (their pods and the router's listed and scraped, the pools
     grown, then priced and shrunk, Events posted, status patched), then the resource is
@@ -453,6 +455,15 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
             await reconcile_resource(body=example, logger=logger)
 
         await edit_every_child()
+        # A unified pool over two nodes: its LeaderWorkerSet made and edited, then stale.
+        multinode = {"pipelineParallelSize": 2, "nodesPerReplica": 2}
+        saved = {key: spec.pop(key) for key in ("topology", "autoscaling", "gateway")}
+        spec["parallelism"] = multinode
+        await reconcile_resource(body=example, logger=logger)
+        await edit_every_child()
+        del spec["parallelism"]
+        spec.update(saved)
+        await reconcile_resource(body=example, logger=logger)
         prometheus = {"serverAddress": "http://prometheus.monitoring.svc:9090"}
         spec["autoscaling"] = {"driver": "keda", "prometheus": prometheus, **policies}
         await reconcile_resource(body=example, logger=logger)

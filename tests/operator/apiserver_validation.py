@@ -34,8 +34,11 @@ def apiserver_refusals(obj: dict[str, Any]) -> list[str]:
     kind, meta = obj["kind"], obj["metadata"]
     where = f"{kind} {meta['name']!r}"
     out = []
-    name_rule = _DNS_1035 if kind == "Service" else _DNS_SUBDOMAIN
-    longest = 63 if kind == "Service" else 253
+    # LWS's webhook holds a LeaderWorkerSet's name to a Service's: it names the group's
+    # headless Services.
+    dns_1035 = kind in ("Service", "LeaderWorkerSet")
+    name_rule = _DNS_1035 if dns_1035 else _DNS_SUBDOMAIN
+    longest = 63 if dns_1035 else 253
     if len(meta["name"]) > longest or not name_rule.fullmatch(meta["name"]):
         out.append(f"{where}: invalid name")
     out += _label_problems(meta.get("labels", {}), where)
@@ -46,8 +49,12 @@ def apiserver_refusals(obj: dict[str, Any]) -> list[str]:
         out += _label_problems(selector, where)
     for port in spec.get("ports", []):
         out += _port_name_problems(port.get("name"), where)
-    if kind == "Deployment":
-        template = spec["template"]
+    templates = [spec["template"]] if kind == "Deployment" else []
+    if kind == "LeaderWorkerSet":
+        # The API server sees them in the StatefulSets LWS's controller makes of them.
+        group = spec["leaderWorkerTemplate"]
+        templates = [group["leaderTemplate"], group["workerTemplate"]]
+    for template in templates:
         out += _label_problems(template["metadata"]["labels"], where)
         out += _pod_problems(template["spec"], where)
     return out

@@ -28,6 +28,7 @@ from tidegate.operator.kube import object_path
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 # kopf serves only resources whose discovery lists these verbs.
 _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 _RESOURCES = {
@@ -46,6 +47,12 @@ _RESOURCES = {
     },
     "keda.sh/v1alpha1/scaledobjects": {"kind": "ScaledObject", "namespaced": True},
     INFERENCE_POOLS: {"kind": "InferencePool", "namespaced": True},
+    LEADER_WORKER_SETS: {
+        "kind": "LeaderWorkerSet",
+        "namespaced": True,
+        "subresources": {"status", "scale"},
+        "shortnames": {"lws"},
+    },
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition",
         "namespaced": False,

@@ -35,6 +35,7 @@ from tidegate.operator.spec import (
     API_VERSION,
     AUTOSCALING_ROLES_ONLY,
     AUTOSCALING_UNIFIED_ONLY,
+    COUNT_WHOLE_NODES,
     CPU_LORAS_AT_LEAST_LORAS,
     GROUP,
     HPA_CANNOT_REACH_ZERO,
@@ -433,6 +434,31 @@ INVALID = [
         {"parallelism": {"tensorParallelSize": 0}},
         f'spec.parallelism.tensorParallelSize: Invalid value: "": {PARALLEL_SIZE_MESSAGE}',
         f"spec.parallelism.tensorParallelSize: {PARALLEL_SIZE_MESSAGE}",
+    ),
+    _row(
+        "count-not-whole-nodes",
+        {"accelerator": {"count": 12, "perNode": 8, "memoryGiB": 80}},
+        f'spec.accelerator: Invalid value: "object": {COUNT_WHOLE_NODES}',
+        f"spec.accelerator: {COUNT_WHOLE_NODES}",
+    ),
+    _row(
+        "per-node-0",
+        {"accelerator": {"perNode": 0, "memoryGiB": 80}},
+        "spec.accelerator.perNode: Invalid value: 0: spec.accelerator.perNode in body should be "
+        "greater than or equal to 1",
+        "spec.accelerator.perNode: Input should be greater than or equal to 1",
+    ),
+    _row(
+        "pipeline-parallel-0",
+        {"parallelism": {"pipelineParallelSize": 0}},
+        f'spec.parallelism.pipelineParallelSize: Invalid value: "": {PARALLEL_SIZE_MESSAGE}',
+        f"spec.parallelism.pipelineParallelSize: {PARALLEL_SIZE_MESSAGE}",
+    ),
+    _row(
+        "nodes-per-replica-65",
+        {"parallelism": {"nodesPerReplica": 65}},
+        f'spec.parallelism.nodesPerReplica: Invalid value: "": {PARALLEL_SIZE_MESSAGE}',
+        f"spec.parallelism.nodesPerReplica: {PARALLEL_SIZE_MESSAGE}",
     ),
     _row(
         "tensor-parallel-many",
@@ -933,6 +959,30 @@ _topologies = st.one_of(
         optional={"router": _some(replicas=st.integers(0, 1000))},
     ),
 )
+
+
+def _with_counts(accelerator: dict[str, Any]) -> st.SearchStrategy[dict]:
+    """`accelerator` with a count, a perNode, both or neither: a count above perNode is a
+    multiple of it (whole nodes)."""
+    per_node = st.integers(1, 64)
+    return st.one_of(
+        st.just(accelerator),
+        st.integers(1, 64).map(lambda count: {**accelerator, "count": count}),
+        per_node.map(lambda size: {**accelerator, "perNode": size}),
+        per_node.flatmap(
+            lambda size: _counts_beside(size).map(
+                lambda count: {**accelerator, "perNode": size, "count": count}
+            )
+        ),
+    )
+
+
+def _counts_beside(per_node: int) -> st.SearchStrategy[int]:
+    """A count within one node, or of whole nodes (at most 64)."""
+    nodes = st.integers(1, 64 // per_node).map(lambda n: n * per_node)
+    return st.one_of(st.integers(1, per_node), nodes)
+
+
 _base_specs = st.fixed_dictionaries(
     {"model": _models},
     optional={
@@ -943,16 +993,18 @@ _base_specs = st.fixed_dictionaries(
             {"memoryGiB": st.one_of(st.integers(1, 4096), st.floats(0.5, 4096))},
             optional={
                 "resource": st.sampled_from(["nvidia.com/gpu", "amd.com/gpu"]),
-                "count": st.integers(1, 64),
                 "peakTflops": st.floats(1, 5000),
             },
-        ),
+        ).flatmap(_with_counts),
         "resources": _some(
             cpu=st.sampled_from(["1", "500m", "2.5"]),
             memory=st.sampled_from(["4Gi", "512Mi", "1.5G", "1000"]),
         ),
         "parallelism": _some(
-            tensorParallelSize=_parallel_sizes, dataParallelSizeLocal=_parallel_sizes
+            tensorParallelSize=_parallel_sizes,
+            pipelineParallelSize=_parallel_sizes,
+            nodesPerReplica=_parallel_sizes,
+            dataParallelSizeLocal=_parallel_sizes,
         ),
         "scheduling": _some(
             longPrefillTokenThreshold=_step_tokens,

@@ -2,7 +2,9 @@
 
 checkov (its own venv, .cache/tools/checkov: `make test` builds it) scans the Deployments
 rendered for the examples and for a few specs that reach the other code paths (a GPU pool
-whose model an init container fetches, an API key, a disaggregated GPU deployment). Every
+whose model an init container fetches, an API key, a disaggregated GPU deployment). checkov
+does not read LeaderWorkerSets: a multi-node pool is scanned as the StatefulSets LWS's
+controller makes of it (its leaders, and a group's workers). Every
 check that fails is in SKIPPED with its reason: either the choice is deliberate, or the user
 controls it (shown passing below when the user sets it), or it is "pending render fix", a
 change to operator/render.py not yet made. A skip that no longer fires must go.
@@ -64,6 +66,16 @@ SKIPPED = {
         "clients, the router, the kubelet's probes and Prometheus reach from wherever they "
         "run; the operator cannot know those sources, and a policy that selects a pod denies "
         "every source it does not list."
+    ),
+    "CKV_K8S_8": (
+        "liveness probe: deliberate for the worker pods of a multi-node replica (LWS). They "
+        "run worker ranks and listen on no fixed port; a worker that stops fails its leader, "
+        "whose probes and exit make LWS recreate the whole group."
+    ),
+    "CKV_K8S_9": (
+        "readiness probe: deliberate for the worker pods of a multi-node replica (LWS). They "
+        "serve no traffic (the Services select the leaders), and the leader is ready only "
+        "once every worker has joined it."
     ),
 }
 # Checks that pass once the user sets what they ask for (the `hardened` spec below).
@@ -153,8 +165,39 @@ def resources() -> dict[str, dict[str, Any]]:
 
 
 def scanned_objects(resource: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pods' Deployments, and any NetworkPolicy (checkov matches those to the pods)."""
-    return [o for o in render(resource).objects if o["kind"] in ("Deployment", "NetworkPolicy")]
+    """The pods' Deployments (an LWS as its StatefulSets), and any NetworkPolicy (checkov
+    matches those to the pods)."""
+    objects = []
+    for obj in render(resource).objects:
+        if obj["kind"] == "LeaderWorkerSet":
+            objects += lws_statefulsets(obj)
+        elif obj["kind"] in ("Deployment", "NetworkPolicy"):
+            objects.append(obj)
+    return objects
+
+
+def lws_statefulsets(lws: dict[str, Any]) -> list[dict[str, Any]]:
+    """What LWS's controller makes of a LeaderWorkerSet, as checkov reads it: a StatefulSet of
+    the leaders (the leader template) and one of group 0's workers (the worker template)."""
+    group = lws["spec"]["leaderWorkerTemplate"]
+    sets = [
+        (lws["metadata"]["name"], lws["spec"]["replicas"], group["leaderTemplate"]),
+        (f"{lws['metadata']['name']}-0", group["size"] - 1, group["workerTemplate"]),
+    ]
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {**lws["metadata"], "name": name},
+            "spec": {
+                "replicas": replicas,
+                "serviceName": name,
+                "selector": {"matchLabels": template["metadata"]["labels"]},
+                "template": template,
+            },
+        }
+        for name, replicas, template in sets
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +301,7 @@ def test_the_scan_reaches_every_kind_of_container(scan) -> None:
         container["name"]
         for resource in resources().values()
         for obj in scanned_objects(resource)
-        if obj["kind"] == "Deployment"
+        if obj["kind"] in ("Deployment", "StatefulSet")
         for key in ("containers", "initContainers")
         for container in obj["spec"]["template"]["spec"].get(key, [])
     }

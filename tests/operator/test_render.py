@@ -50,6 +50,9 @@ KEDA_SCALED_OBJECTS = CRDValidator(load_crd(KEDA_CRD), "v1alpha1")
 # The Gateway API Inference Extension's InferencePool CRD (tests/fixtures/gie/README.md).
 GIE_CRD = REPO / "tests" / "fixtures" / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
 INFERENCE_POOLS = CRDValidator(load_crd(GIE_CRD), "v1")
+# LeaderWorkerSet's CRD (tests/fixtures/lws/README.md): a pool whose replicas span nodes.
+LWS_CRD = REPO / "tests" / "fixtures" / "lws" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+LEADER_WORKER_SETS = CRDValidator(load_crd(LWS_CRD), "v1")
 SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash", "-c"}
 TINY = 1e9  # parameters
 LLAMA_70B_MODEL = {
@@ -112,11 +115,16 @@ def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 
 def all_containers(rendered: Rendered) -> list[dict[str, Any]]:
+    """Every container of every pod template: the Deployments', and a LeaderWorkerSet's."""
+    pods = [pod_spec(deployment) for deployment in deployments(rendered)]
+    for obj in rendered.objects:
+        if obj["kind"] == "LeaderWorkerSet":
+            pods += [template["spec"] for template in lws_templates(obj)]
     return [
         container
-        for deployment in deployments(rendered)
+        for pod in pods
         for key in ("initContainers", "containers")
-        for container in pod_spec(deployment).get(key, [])
+        for container in pod.get(key, [])
     ]
 
 
@@ -152,8 +160,9 @@ _accepted: set[tuple[str, str]] = set()
 
 
 def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
-    """Kubernetes `version` accepts each object; a ScaledObject, KEDA's published CRD does, and
-    an InferencePool, the Gateway API Inference Extension's."""
+    """Kubernetes `version` accepts each object; a ScaledObject, KEDA's published CRD does, an
+    InferencePool, the Gateway API Inference Extension's, and a LeaderWorkerSet, LWS's (whose
+    pod templates Kubernetes then checks, in the StatefulSets made of them)."""
     for obj in objects:
         key = (version, json.dumps(obj, sort_keys=True))
         if key in _accepted:
@@ -164,6 +173,20 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
         elif obj["kind"] == "InferencePool":
             refused = INFERENCE_POOLS.validate(obj)
             assert refused == [], f"InferencePool {obj['metadata']['name']}: {refused}"
+        elif obj["kind"] == "LeaderWorkerSet":
+            refused = LEADER_WORKER_SETS.validate(obj)
+            assert refused == [], f"LeaderWorkerSet {obj['metadata']['name']}: {refused}"
+            for template in lws_templates(obj):
+                as_deployment = {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": obj["metadata"],
+                    "spec": {
+                        "selector": {"matchLabels": template["metadata"]["labels"]},
+                        "template": template,
+                    },
+                }
+                assert_valid([as_deployment], version)
         else:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -174,6 +197,12 @@ def assert_valid(objects: list[dict[str, Any]], version: str) -> None:
                 )
         assert apiserver_refusals(obj) == []
         _accepted.add(key)
+
+
+def lws_templates(lws: dict[str, Any]) -> list[dict[str, Any]]:
+    """A LeaderWorkerSet's pod templates: its leaders', its workers'."""
+    group = lws["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
 
 
 HOST_CACHE = {"hostPath": {"path": "/var/cache/tidegate"}}
@@ -302,6 +331,23 @@ TABLE = {
         "gateway": {"inferencePool": True, "failureMode": "FailOpen"},
         "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "secret-value"}},
         "service": {"type": "LoadBalancer"},
+    },
+    "multinode-cpu": {
+        "model": model(dtype="float32"),
+        "parallelism": {"pipelineParallelSize": 2, "nodesPerReplica": 2},
+        "auth": {"apiKeySecretRef": {"name": "llm-key", "key": "secret-value"}},
+    },
+    "multinode-gpu-405b-gateway-cached-uri": {
+        "model": model(
+            {"uri": "https://models.example/llama-405b.tar"},
+            cache=PVC_CACHE,
+            parameterCount=405 * TINY,
+            numKeyValueHeads=8,
+        ),
+        "accelerator": {"perNode": 8, "memoryGiB": 80},
+        "topology": {"unified": {"replicas": 2}, "router": {"replicas": 1}},
+        "gateway": {"inferencePool": True},
+        "adapters": [ADAPTER_SQL],
     },
     "user-set-chunks": {
         "model": model(parameterCount=7 * TINY),

@@ -50,6 +50,14 @@ def disaggregated(prefill: dict | None = None, decode: dict | None = None) -> di
     return {"mode": "disaggregated", "prefill": prefill or {}, "decode": decode or {}}
 
 
+MULTINODE_405B = {
+    "tensorParallelSize": 8,
+    "pipelineParallelSize": 2,
+    "nodesPerReplica": 2,
+    "dataParallelSizeLocal": 1,
+}
+
+
 def flags(tp: int, dp: int, threshold: int | str, budget: int) -> dict[str, int | str]:
     return {
         "tensorParallelSize": tp,
@@ -249,6 +257,110 @@ TUNED = [
         ["threshold 4096 + maxNumSeqs 256"],
         id="no-parameter-count-user-threshold-gets-room",
     ),
+    pytest.param(
+        make_spec(70.6 * B, gpus=8, kv=2, heads=64),
+        {"unified": {**flags(2, 2, 160, 416), "pipelineParallelSize": 2, "nodesPerReplica": 1}},
+        [
+            "need 4 accelerators to fit",
+            "model.numKeyValueHeads 2 and model.numAttentionHeads 64 divide only by 1, 2: TP 2",
+            "2 stages of TP 2 hold 35.3 GB per accelerator",
+            "8 accelerators // (TP 2 x PP 2) = 2 engine core(s)",
+        ],
+        id="heads-cap-tp-pipeline-stages-hold-the-rest",
+    ),
+    # 405e9 bf16: 810 GB; 16 accelerators of 80 GiB hold it (50.6 GB each); a node has 8.
+    pytest.param(
+        make_spec(405 * B, kv=8, accelerator={"perNode": 8, "memoryGiB": 80}),
+        {"unified": {**MULTINODE_405B, "longPrefillTokenThreshold": 64}},
+        [
+            "810 GB need 16 accelerators to fit 0.8 x 80 GiB (68.7 GB), more than one node has "
+            "(accelerator.perNode 8): TP 8, the widest that divides perNode 8",
+            "2 stages of TP 8 hold 50.6 GB per accelerator",
+            "a step takes about as long as at TP 8 alone",
+            "TP 8 x PP 2 = 16 ranks, 8 per node",
+            "2 pods per replica, run as one LeaderWorkerSet group",
+            "a replica over 2 nodes runs one engine core",
+            "decode step 30.2 ms (810 GB / TP 8",
+        ],
+        id="405B-per-node-8-sized-from-the-weights",
+    ),
+    pytest.param(
+        make_spec(405 * B, kv=8, accelerator={"count": 16, "perNode": 8, "memoryGiB": 80}),
+        {"unified": MULTINODE_405B},
+        [
+            "accelerator.count 16 spans 2 nodes of accelerator.perNode 8: TP 8",
+            "accelerator.count 16 / TP 8 = 2 stages",
+        ],
+        id="405B-count-16-per-node-8",
+    ),
+    pytest.param(
+        make_spec(70.6 * B, kv=8, accelerator={"count": 16, "perNode": 8, "memoryGiB": 80}),
+        {"unified": {"tensorParallelSize": 8, "pipelineParallelSize": 2, "nodesPerReplica": 2}},
+        ["(the weights would fit 4 accelerator(s) of one node)"],
+        id="count-asks-for-two-nodes-the-weights-would-fit-one",
+    ),
+    pytest.param(
+        make_spec(70.6 * B, kv=8, accelerator={"perNode": 8, "memoryGiB": 80}),
+        {"unified": {**flags(4, 2, 432, 688), "pipelineParallelSize": 1, "nodesPerReplica": 1}},
+        ["the weights fit at TP 4: one stage", "4 ranks fit one pod (accelerator.perNode 8)"],
+        id="per-node-fits-one-node-as-count-would",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B,
+            kv=8,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            parallelism={"pipelineParallelSize": 4},
+        ),
+        {"unified": {"tensorParallelSize": 4, "pipelineParallelSize": 4, "nodesPerReplica": 2}},
+        [
+            "over spec.parallelism.pipelineParallelSize 4 stages fits 0.8 x 80 GiB (68.7 GB) at "
+            "TP 4 (50.6 GB per accelerator)",
+            "50.6 GB of weights per accelerator, within",
+            "TP 4 x PP 4 = 16 ranks, 8 per node",
+        ],
+        id="user-pp-sizes-tp",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B,
+            kv=8,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            parallelism={"tensorParallelSize": 4, "nodesPerReplica": 4},
+        ),
+        {"unified": {"tensorParallelSize": 4, "pipelineParallelSize": 4, "nodesPerReplica": 4}},
+        ["set in spec.parallelism.nodesPerReplica: 4 of the 16 ranks on each pod"],
+        id="user-nodes-spread-thinner",
+    ),
+    pytest.param(
+        make_spec(1 * B, parallelism={"pipelineParallelSize": 2, "nodesPerReplica": 2}),
+        {
+            "unified": {
+                "tensorParallelSize": 1,
+                "pipelineParallelSize": 2,
+                "nodesPerReplica": 2,
+                "dataParallelSizeLocal": 1,
+            }
+        },
+        [
+            "CPU pods run one worker per pipeline stage",
+            "handing activations on over gloo",
+            "2 pod(s) of 1 worker process(es), meeting over TCP",
+        ],
+        id="cpu-two-stages-two-nodes",
+    ),
+    pytest.param(
+        make_spec(1 * B, parallelism={"nodesPerReplica": 2}),
+        {"unified": {"pipelineParallelSize": 2, "nodesPerReplica": 2}},
+        ["one stage per node of spec.parallelism.nodesPerReplica 2"],
+        id="cpu-nodes-give-the-stages",
+    ),
+    pytest.param(
+        make_spec(1 * B, parallelism={"pipelineParallelSize": 2}),
+        {"unified": {"pipelineParallelSize": 2, "nodesPerReplica": 1}},
+        ["no accelerator: one pod, unless spec.parallelism.nodesPerReplica says more"],
+        id="cpu-two-stages-in-one-pod",
+    ),
 ]
 
 
@@ -271,9 +383,103 @@ REFUSED = [
         id="405B-8x80G",
     ),
     pytest.param(
-        make_spec(70.6 * B, gpus=8, kv=2, heads=64),
-        ["need TP 4 to fit", "model.numKeyValueHeads 2", "divide only by 1, 2"],
-        id="heads-cap-tp-below-what-weights-need",
+        make_spec(405 * B, kv=8, accelerator={"count": 8, "perNode": 8, "memoryGiB": 80}),
+        [
+            "810 GB do not fit: 101 GB per accelerator even at accelerator.count 8 (1 node(s) "
+            "of accelerator.perNode 8)",
+            "they need 16 accelerators; allowed: accelerator.count 16 (2 nodes), or no count",
+        ],
+        id="405B-count-of-one-node",
+    ),
+    pytest.param(
+        make_spec(405 * B, kv=8, accelerator={"count": 8, "memoryGiB": 80}),
+        ["or a replica over 2 nodes: accelerator.perNode 8 with count 16 (or no count"],
+        id="405B-one-pod-names-the-nodes-it-needs",
+    ),
+    pytest.param(
+        make_spec(5000 * B, accelerator={"perNode": 8, "memoryGiB": 80}),
+        [
+            "156 GB per accelerator even at 64 accelerators (8 node(s) of accelerator.perNode "
+            "8, the most one replica may have)",
+            "allowed: more accelerator memory (accelerator.memoryGiB) or a smaller dtype",
+        ],
+        id="5T-no-replica-holds-it",
+    ),
+    pytest.param(
+        make_spec(
+            8.03 * B,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            parallelism={"tensorParallelSize": 16},
+        ),
+        [
+            "tensorParallelSize 16 is larger than accelerator.perNode 8",
+            "stays within a node; allowed: at most 8, and pipelineParallelSize",
+        ],
+        id="tp-above-per-node",
+    ),
+    pytest.param(
+        make_spec(
+            8.03 * B, gpus=8, parallelism={"tensorParallelSize": 4, "pipelineParallelSize": 4}
+        ),
+        ["4 x spec.parallelism.pipelineParallelSize 4 = 16 accelerators", "at most 2"],
+        id="tp-times-pp-above-count",
+    ),
+    pytest.param(
+        make_spec(8.03 * B, gpus=8, parallelism={"nodesPerReplica": 2}),
+        ["nodesPerReplica 2 needs accelerator.perNode"],
+        id="nodes-without-per-node",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B,
+            kv=8,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            parallelism={"nodesPerReplica": 3},
+        ),
+        ["nodesPerReplica 3 does not divide pipelineParallelSize 2", "allowed: 2"],
+        id="nodes-not-whole-stages",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B,
+            kv=8,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            parallelism={"dataParallelSizeLocal": 2},
+        ),
+        ["dataParallelSizeLocal is 2, but a replica spans 2 nodes and runs one engine core"],
+        id="dp-over-nodes",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B, kv=8, accelerator={"perNode": 8, "memoryGiB": 80}, topology=disaggregated()
+        ),
+        ["the prefill pool needs pipelineParallelSize 2", "disaggregated pools run one pipeline"],
+        id="disaggregated-over-nodes",
+    ),
+    pytest.param(
+        make_spec(
+            405 * B,
+            kv=8,
+            accelerator={"perNode": 8, "memoryGiB": 80},
+            autoscaling={"unified": {"maxReplicas": 3}},
+        ),
+        ["autoscaling.unified: the unified pool spans 2 nodes per replica (a LeaderWorkerSet)"],
+        id="autoscaled-over-nodes",
+    ),
+    pytest.param(
+        make_spec(
+            1 * B,
+            parallelism={"nodesPerReplica": 2},
+            topology={"router": {"replicas": 1}},
+            rollout={"strategy": "canary"},
+        ),
+        ["rollout.strategy canary: the unified pool spans 2 nodes per replica"],
+        id="canary-over-nodes",
+    ),
+    pytest.param(
+        make_spec(1 * B, parallelism={"tensorParallelSize": 8, "pipelineParallelSize": 2}),
+        ["is 16 worker processes per pod, but a CPU pod runs at most 8"],
+        id="cpu-too-many-ranks-per-pod",
     ),
     pytest.param(
         make_spec(8.03 * B, gpus=8, kv=8, heads=32, parallelism={"tensorParallelSize": 3}),
@@ -357,6 +563,8 @@ def test_every_value_has_a_reason_in_role_and_field_order() -> None:
         for role in ("prefill", "decode")
         for field in (
             "tensorParallelSize",
+            "pipelineParallelSize",
+            "nodesPerReplica",
             "dataParallelSizeLocal",
             "longPrefillTokenThreshold",
             "maxNumBatchedTokens",
@@ -382,6 +590,9 @@ def test_accelerators_per_pod() -> None:
     assert on_gpus.roles["unified"].accelerators_per_pod() == 8
     on_cpu = tune(parse_spec(make_spec(70.6 * B)))
     assert on_cpu.roles["unified"].accelerators_per_pod() == 0
+    # Over two nodes: each pod requests its node's share of the 16 ranks.
+    over_nodes = tune(parse_spec(make_spec(405 * B, accelerator={"perNode": 8, "memoryGiB": 80})))
+    assert over_nodes.roles["unified"].accelerators_per_pod() == 8
 
 
 def test_user_set_values_are_marked() -> None:

@@ -106,6 +106,11 @@ operator's code and compares.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A pool whose replicas span nodes: a LeaderWorkerSet (kubernetes-sigs/lws) in place of its
+# Deployment.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler (driver operator) lists a pool's pods to scrape their /metrics, and
 # annotates them with controller.kubernetes.io/pod-deletion-cost before a scale-down; the
 # report of LoRA adapters (status.adapters) lists and scrapes the engine pods too.
