@@ -34,7 +34,7 @@ AUTO = "unified, auto chunks"
 CONFIGS = {
     AUTO: ["--long-prefill-token-threshold", "auto"],
     "unified, no threshold": [],
-    "phased": ["--scheduling-policy", "phased"],
+    "phased": ["--step-composition", "phased"],
 }
 
 

@@ -69,6 +69,7 @@ class AsyncLLM:
         metrics: PrometheusMetrics | None,
         kv_role: str = "none",
         request_timeout: float | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model_config = model_config
         self.kv_role = kv_role
@@ -84,6 +85,7 @@ class AsyncLLM:
             vocab_size=model_config.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=model_eos_token_ids(model_config, tokenizer),
+            priority_scheduling=scheduling_policy == "priority",
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
@@ -100,6 +102,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         metrics: PrometheusMetrics | None = None,
         request_timeout: float | None = None,
+        max_waiting_per_tenant: int | None = None,
     ) -> AsyncLLM:
         """Check the model folder here, start the engine cores, and wait until all serve."""
         model_config = ModelConfig.from_pretrained(args.model)
@@ -108,7 +111,12 @@ class AsyncLLM:
         resolve_max_model_len(args, model_config)  # a bad limit fails before any process starts
         tokenizer = Tokenizer(args.tokenizer or args.model)
         clients = [
-            EngineCoreClient(args, engine_index=i, max_waiting_requests=max_waiting_requests)
+            EngineCoreClient(
+                args,
+                engine_index=i,
+                max_waiting_requests=max_waiting_requests,
+                max_waiting_per_tenant=max_waiting_per_tenant,
+            )
             for i in range(args.data_parallel_size_local)
         ]
         holder: list[AsyncLLM] = []
@@ -148,6 +156,7 @@ class AsyncLLM:
             metrics,
             kv_role=args.kv_role,
             request_timeout=request_timeout,
+            scheduling_policy=args.scheduling_policy,
         )
         holder.append(engine)
         if args.kv_events_port is not None:
@@ -292,6 +301,14 @@ class AsyncLLM:
                 client.mark_dead("the API server could not process engine outputs")
                 return
 
+    def _overloaded(self, request_ids: list[str], message: str) -> None:
+        """Requests an engine core refused at admission: each stream raises a 429's error."""
+        for request_id in request_ids:
+            self.output_processor.abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.queue.put(EngineOverloadedError(message))
+
     def _handle_outputs(self, batch: EngineCoreOutputs) -> None:
         client = self.clients[batch.engine_index]
         if batch.engine_dead is not None:
@@ -308,16 +325,18 @@ class AsyncLLM:
             self.router.record_stats(batch.engine_index, batch.scheduler_stats)
             if self.metrics is not None:
                 self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.engine_index)
-        for request_id in batch.rejected_request_ids:
-            self.output_processor.abort(request_id)
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.queue.put(
-                    EngineOverloadedError(
-                        "the server's waiting queue is full "
-                        f"(--max-waiting-requests {client.max_waiting_requests}); retry later"
-                    )
-                )
+        if batch.rejected_request_ids:
+            self._overloaded(
+                batch.rejected_request_ids,
+                "the server's waiting queue is full "
+                f"(--max-waiting-requests {client.max_waiting_requests}); retry later",
+            )
+        if batch.rejected_tenant_request_ids:
+            self._overloaded(
+                batch.rejected_tenant_request_ids,
+                "this tenant's waiting requests are at its limit "
+                f"(--max-waiting-per-tenant {client.max_waiting_per_tenant}); retry later",
+            )
         outputs = batch.outputs
         if any(out.error is not None for out in outputs):
             outputs = self._refuse([out for out in outputs if out.error is not None], outputs)

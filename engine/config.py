@@ -11,12 +11,17 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else 
 API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag gives it
 # The share of its role's requests a canary takes when --traffic-weight does not say.
 DEFAULT_CANARY_WEIGHT = 0.1
+# The files of kv_curve_key_dir (and the keys of the operator's Secret that holds them).
+KV_CURVE_PUBLIC_KEY_FILE = "public.key"
+KV_CURVE_SECRET_KEY_FILE = "secret.key"
 
 
 # The mallocs an engine process may run on (engine/allocator.py carries the choice out).
 CpuAllocator = Literal["auto", "tcmalloc", "system"]
 # Which revision of its role an instance serves during a rollout (router/instances.py).
 Track = Literal["stable", "canary"]
+# The order waiting requests are admitted in (engine/core/request_queue.py).
+SchedulingPolicy = Literal["fcfs", "fair", "priority"]
 
 
 class EngineArgs(BaseModel):
@@ -59,10 +64,24 @@ class EngineArgs(BaseModel):
         "short prompts overtake a long one.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
-    scheduling_policy: Literal["unified", "phased"] = Field(
+    step_composition: Literal["unified", "phased"] = Field(
         "unified",
         description="unified: prefill chunks and decodes share every step. phased: a step is "
         "either whole-prompt prefills or decodes, as older engines did (a baseline for benchmarks).",
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="Which waiting request is admitted first (vLLM's flag). fcfs: first come, "
+        "first served. priority: lowest request priority first, ties by arrival; under memory "
+        "pressure the lowest priority is preempted first. fair: tenants with requests waiting "
+        "share the step's tokens equally (deficit round robin), whatever their arrival rates.",
+    )
+    max_running_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="Most running requests of one tenant (the cache-salt header's value, else "
+        "its API key, else one anonymous tenant); its other requests wait while another "
+        "tenant's may start.",
     )
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = Field(
         "auto",
@@ -186,6 +205,18 @@ class EngineArgs(BaseModel):
         description="Seconds a producer keeps a finished prompt's blocks for its consumer, and "
         "a consumer waits for them before computing the prompt itself.",
     )
+    kv_encryption: Literal["none", "curve"] = Field(
+        "none",
+        description="KV transfer over TCP: none sends blocks in the clear; curve encrypts and "
+        "authenticates every KV socket with ZMQ CURVE, using the deployment's key pair in "
+        "kv_curve_key_dir (both pools hold the same pair; a peer without it is refused).",
+    )
+    kv_curve_key_dir: str | None = Field(
+        None,
+        description=f"With kv_encryption curve: the folder holding the deployment's key pair, "
+        f"{KV_CURVE_PUBLIC_KEY_FILE} and {KV_CURVE_SECRET_KEY_FILE}, one Z85 key each (a mounted "
+        "Secret).",
+    )
     compilation_level: Literal[0, 1, 2] | None = Field(
         None,
         description="0: eager; 1: torch.compile of the model (attention stays outside the "
@@ -280,17 +311,17 @@ class EngineArgs(BaseModel):
 
     def step_token_capacity(self, max_model_len: int) -> int:
         """Most tokens one step may compute: the budget, or a whole prompt when phased."""
-        if self.scheduling_policy == "phased":
+        if self.step_composition == "phased":
             return max(self.max_num_batched_tokens, max_model_len)
         return self.max_num_batched_tokens
 
     @model_validator(mode="after")
     def _check_limits(self) -> EngineArgs:
-        if self.scheduling_policy == "phased" and (
+        if self.step_composition == "phased" and (
             self.long_prefill_token_threshold != 0 or self.max_num_partial_prefills > 1
         ):
             raise ValueError(
-                "scheduling_policy 'phased' computes whole prompts: it takes no "
+                "step_composition 'phased' computes whole prompts: it takes no "
                 "long_prefill_token_threshold and no max_num_partial_prefills above 1"
             )
         if self.enforce_eager and self.compilation_level not in (None, 0):
@@ -317,6 +348,15 @@ class EngineArgs(BaseModel):
                 f"traffic_weight {self.traffic_weight} is the share of requests a canary "
                 f"takes; track {self.track!r} takes no weight (give track 'canary', or no "
                 "traffic_weight)"
+            )
+        if self.kv_encryption == "curve" and self.kv_curve_key_dir is None:
+            raise ValueError(
+                "kv_encryption curve needs kv_curve_key_dir: the folder of the deployment's "
+                "key pair"
+            )
+        if self.kv_curve_key_dir is not None and self.kv_encryption != "curve":
+            raise ValueError(
+                "kv_curve_key_dir is read only with kv_encryption curve: give both, or neither"
             )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
@@ -383,8 +423,9 @@ class TenancyArgs(BaseModel):
     )
     api_key_file: str | None = Field(
         None,
-        description="File holding the API key (a mounted Secret); surrounding whitespace is "
-        "ignored.",
+        description="File holding the API keys (a mounted Secret): one a line, blank lines and "
+        "# comments skipped. Read again within a second of a change, so keys rotate without a "
+        "restart; a file that turns unreadable or empty keeps the keys read before.",
     )
     cache_salt_header: str | None = Field(
         None,
@@ -405,6 +446,12 @@ class ServerArgs(TenancyArgs):
     )
     max_waiting_requests: int | None = Field(
         None, ge=1, description="Refuse requests with 429 while this many are queued."
+    )
+    max_waiting_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="Refuse a tenant's requests with 429 while this many of its own are queued "
+        "(per engine core), so that one tenant cannot fill the queue for everyone.",
     )
     request_timeout: float | None = Field(
         None,
@@ -538,6 +585,18 @@ class RouterArgs(TenancyArgs):
         description="Endpoint picker: answer 429 when even the least loaded instance carries "
         "this many requests (running + waiting); default: never shed.",
     )
+    max_running_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="The engines' per-tenant running limit; with max_waiting_per_tenant the "
+        "router answers 429 to a tenant that has (running + waiting limit) requests in flight "
+        "through it per healthy instance of the pool, before any instance sees the request.",
+    )
+    max_waiting_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="The engines' per-tenant waiting limit; see max_running_per_tenant.",
+    )
 
     @model_validator(mode="after")
     def _kv_routing_needs_the_tokenizer(self) -> RouterArgs:
@@ -546,4 +605,16 @@ class RouterArgs(TenancyArgs):
                 "kv_events_port needs tokenizer: the router hashes prompts as the engines do, "
                 "so it needs the served model's folder (tokenizer and chat template)"
             )
+        if (self.max_running_per_tenant is None) != (self.max_waiting_per_tenant is None):
+            raise ValueError(
+                "the router limits a tenant's requests in flight, running plus waiting: give "
+                "max_running_per_tenant and max_waiting_per_tenant together, or neither"
+            )
         return self
+
+    @property
+    def max_in_flight_per_tenant(self) -> int | None:
+        """A tenant's requests in flight per healthy instance before a 429; None: no limit."""
+        if self.max_running_per_tenant is None or self.max_waiting_per_tenant is None:
+            return None
+        return self.max_running_per_tenant + self.max_waiting_per_tenant

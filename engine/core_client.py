@@ -38,11 +38,16 @@ class EngineCoreClient:
     """Owns one EngineCore process and the two sockets to it (requests out, outputs in)."""
 
     def __init__(
-        self, args: EngineArgs, engine_index: int = 0, max_waiting_requests: int | None = None
+        self,
+        args: EngineArgs,
+        engine_index: int = 0,
+        max_waiting_requests: int | None = None,
+        max_waiting_per_tenant: int | None = None,
     ) -> None:
         self.args = args
         self.engine_index = engine_index
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_per_tenant = max_waiting_per_tenant
         self.identity = engine_index.to_bytes(2, "little")
         self._ctx = zmq.asyncio.Context()
         if sys.platform == "linux":
@@ -77,6 +82,7 @@ class EngineCoreClient:
                 self.input_address,
                 self.output_address,
                 self.max_waiting_requests,
+                self.max_waiting_per_tenant,
             ),
             name=f"tidegate::engine_core_{self.engine_index}",
             daemon=False,

@@ -24,12 +24,19 @@ class InputProcessor:
     """Tokenizes and checks prompts against the model's limits before they reach the engine."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        priority_scheduling: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # --scheduling-policy priority: only then does a request's priority mean anything.
+        self.priority_scheduling = priority_scheduling
 
     def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (with the tokenizer's special tokens) or a checked id list."""
@@ -48,8 +55,16 @@ class InputProcessor:
         cache_salt: str | None = None,
         kv_transfer: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
         """A request ready for an engine core, or a ValueError that says what is allowed."""
+        if priority != 0 and not self.priority_scheduling:
+            # vLLM's rule: a priority that would be ignored is refused, not dropped silently.
+            raise ValueError(
+                f"priority {priority} needs a server started with --scheduling-policy priority; "
+                "this one takes only priority 0"
+            )
         token_ids = self.prompt_token_ids(prompt)
         self.check_prompt(token_ids)
         if (
@@ -84,6 +99,8 @@ class InputProcessor:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer.model_dump() if kv_transfer is not None else None,
             lora_request=lora_request,
+            tenant=tenant,
+            priority=priority,
         )
 
     def check_prompt(self, token_ids: list[int]) -> None:

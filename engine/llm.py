@@ -47,6 +47,7 @@ class LLM:
             vocab_size=self.engine.model_config.vocab_size,
             max_model_len=self.engine.max_model_len,
             eos_token_ids=model_eos_token_ids(self.engine.model_config, self.tokenizer),
+            priority_scheduling=self.args.scheduling_policy == "priority",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -79,11 +80,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order.
 
         `lora_request` is an adapter from `load_lora` (or its name) for every prompt, or a
-        list with one per prompt (None: the base model).
+        list with one per prompt (None: the base model). `priority`, one per prompt, orders
+        them under scheduling_policy "priority" (lower first).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -102,12 +105,22 @@ class LLM:
                     "give one, or one per prompt"
                 )
         loras = self._loras_per_prompt(lora_request, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything before queuing anything, so a bad prompt leaves nothing behind.
         requests = [
             self.input_processor.process(
-                f"offline-{next(self._ids)}", prompt, params, cache_salt, lora_request=lora
+                f"offline-{next(self._ids)}",
+                prompt,
+                params,
+                cache_salt,
+                lora_request=lora,
+                priority=rank,
             )
-            for prompt, params, lora in zip(prompts, params_list, loras, strict=True)
+            for prompt, params, lora, rank in zip(
+                prompts, params_list, loras, priorities, strict=True
+            )
         ]
         order = {request.request_id: i for i, request in enumerate(requests)}
         for request, prompt in zip(requests, prompts, strict=True):

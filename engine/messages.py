@@ -149,6 +149,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # answer (do_remote_prefill plus where the blocks are) on a consumer.
     kv_transfer_params: dict[str, Any] | None = None
     lora_request: LoRARequest | None = None
+    # Who sent it, for the per-tenant limits and fair scheduling: the cache-salt header's
+    # value, else a digest of the API key; None is the one anonymous tenant.
+    tenant: str | None = None
+    # --scheduling-policy priority: lower values are admitted first (vLLM's field).
+    priority: int = 0
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -291,6 +296,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     # Requests refused at admission because the waiting queue was full.
     rejected_request_ids: list[str] = msgspec.field(default_factory=list)
+    # Requests refused because their tenant had --max-waiting-per-tenant queued.
+    rejected_tenant_request_ids: list[str] = msgspec.field(default_factory=list)
     # Set on the last message of a core that is going down: what killed it.
     engine_dead: str | None = None
     # How the prefix cache changed since the last message (only with --kv-events-port).
@@ -405,6 +412,9 @@ class KVWorkerConfig(msgspec.Struct):
     # Where workers report finished pulls to their engine core.
     events_address: str
     timeout_s: float
+    # --kv-encryption curve: the folder of the deployment's key pair, which each worker reads
+    # itself (the secret key never crosses a process boundary); empty: plain TCP.
+    curve_key_dir: str = ""
 
 
 class KVRecvDone(msgspec.Struct, tag=True):

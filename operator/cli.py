@@ -12,9 +12,12 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidegate.operator.render import DEFAULT_ENGINE_IMAGE
+
+if TYPE_CHECKING:
+    from tidegate.operator.handlers import OperatorOptions
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -66,19 +69,37 @@ def _up(ns: argparse.Namespace) -> int:
 
 
 def _operator(ns: argparse.Namespace) -> int:
-    from tidegate.operator.handlers import OperatorOptions, run_operator
-    from tidegate.operator.render import RenderOptions
+    from tidegate.operator.handlers import run_operator
 
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    options = OperatorOptions(
-        render=RenderOptions(default_image=ns.engine_image),
+    try:
+        options = operator_options(ns)
+    except ValueError as error:
+        print(f"tidegate operator: {error}", file=sys.stderr)
+        return 2
+    run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
+    return 0
+
+
+def operator_options(ns: argparse.Namespace) -> OperatorOptions:
+    """The OperatorOptions of `tidegate operator`'s flags; ValueError for lists that overlap."""
+    from tidegate.operator.handlers import OperatorOptions
+    from tidegate.operator.host_paths import HostPathPolicy
+    from tidegate.operator.render import RenderOptions
+
+    # Always a policy: with neither flag, it allows no hostPath at all.
+    host_paths = HostPathPolicy(
+        read_only=tuple(ns.allowed_host_path), cache=tuple(ns.allowed_cache_host_path)
+    )
+    return OperatorOptions(
+        render=RenderOptions(default_image=ns.engine_image, host_paths=host_paths),
         autoscale_period_s=ns.autoscale_period,
         metrics_port=ns.metrics_port or None,
         adapter_period_s=ns.adapter_period,
         rollout_period_s=ns.rollout_period,
+        peering=ns.peering,
+        peering_lifetime_s=ns.peering_lifetime,
     )
-    run_operator(options, namespaces=ns.namespace or [], liveness_endpoint=ns.liveness or None)
-    return 0
 
 
 def _demo(ns: argparse.Namespace) -> int:
@@ -170,13 +191,61 @@ def add_operator(parser: argparse.ArgumentParser, config: dict[str, Any] | None)
         default=PERIOD_S,
         help="seconds between two comparisons of a canary with its stable pods",
     )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="elect one of several operators through kopf's peering object NAME (a "
+        "ClusterKopfPeering, or a KopfPeering in each --namespace), which must exist; the one "
+        "started first reconciles, the others stand by; default: standalone, the only operator",
+    )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=_positive_whole_seconds,
+        default=60,
+        metavar="SECONDS",
+        help="with --peering: how long a crashed operator's standby waits before taking over",
+    )
+    parser.add_argument(
+        "--allowed-host-path",
+        action="append",
+        default=[],
+        type=_node_folder,
+        metavar="PREFIX",
+        help="a node folder under which model and adapter hostPath sources may lie, mounted "
+        "read-only (repeat); none by default",
+    )
+    parser.add_argument(
+        "--allowed-cache-host-path",
+        action="append",
+        default=[],
+        type=_node_folder,
+        metavar="FOLDER",
+        help="a node folder that spec.model.cache.hostPath may name, exactly (repeat); pods "
+        "write there, so it may not overlap an --allowed-host-path; none by default",
+    )
     parser.set_defaults(handler=_operator)
+
+
+def _node_folder(text: str) -> str:
+    from tidegate.operator.host_paths import normalised
+
+    try:
+        return normalised(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def _positive_whole_seconds(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number of seconds")
     return value
 
 

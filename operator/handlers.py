@@ -16,12 +16,18 @@ The report of a resource's LoRA adapters (status.adapters, `operator/adapter_sta
 the same way, and so does the rollout controller, which judges a running canary
 (`operator/rollout_controller.py`); a change of the resource's annotations (the canary's
 promote or abort by hand) wakes it.
+
+A refused, cut off or slow API call fails the pass, which is tried again after a delay that
+doubles: by kopf for create, update and resume, by `run_or_retry` after a child's event or a
+canary verdict (kopf does not retry event handlers). With `OperatorOptions.peering`, several
+operators share kopf's peering object and only the one started first reconciles.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +55,15 @@ class OperatorOptions:
     # refusal that lasts costs a write every few minutes, not every few seconds.
     retry_seconds: float = 10.0
     max_retry_seconds: float = 600.0
+    # How long one API call may take; one that takes longer counts as refused and is retried.
+    api_timeout_s: float = 30.0
+    # kopf peering (`--peering NAME`): operators that share the peering object NAME (a
+    # ClusterKopfPeering, or a KopfPeering in each served namespace) elect one to reconcile,
+    # the longest running; the others stand by. None: standalone, the only operator.
+    peering: str | None = None
+    # Seconds an operator's keep-alive in the peering object holds: how long its successor
+    # waits after a crash (a clean exit withdraws it, and the successor takes over at once).
+    peering_lifetime_s: int = 60
     # The autoscaler's period, and the port of the operator's /metrics (None: not served).
     autoscale_period_s: float = PERIOD_S
     metrics_port: int | None = None
@@ -75,17 +90,26 @@ class _State:
         self.metrics: web.AppRunner | None = None
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.pending: set[tuple[str, str]] = set()
+        # Retries of passes that no kopf handler retries (after a child's event or a canary
+        # verdict), one at most per resource.
+        self.retries: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
-    """kopf settings: bookkeeping in status, events only for warnings and errors."""
+def configure(settings: kopf.OperatorSettings, options: OperatorOptions) -> None:
+    """kopf settings: bookkeeping in status, events only for warnings and errors, and the
+    priority and lifetime the operator peers with (under `--peering`)."""
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.diffbase")
     settings.posting.level = logging.WARNING
     settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # kopf lets the peer of highest priority work and pauses the others (all of them on a
+    # tie). The earlier start wins, so a replica that starts later (a restart, a rollout)
+    # never takes over from a working one, and the next oldest takes over when it goes.
+    settings.peering.priority = -time.time_ns() // 1000
+    settings.peering.lifetime = options.peering_lifetime_s
 
 
 def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegistry:
@@ -97,7 +121,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure(settings)
+        configure(settings, options)
         if options.metrics_port is not None:
             # Here rather than at login: a port already taken stops the operator at once.
             state.metrics = await serve_metrics(state.registry, options.metrics_port)
@@ -109,7 +133,7 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
         if info is not None:
             if state.kube is None:
-                state.kube = Kube(info)
+                state.kube = Kube(info, timeout_s=options.api_timeout_s)
                 state.autoscaler = ClusterAutoscaler(
                     state.kube, options.autoscale_period_s, registry=state.registry
                 )
@@ -123,6 +147,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        for task in state.retries.values():
+            task.cancel()
         if state.metrics is not None:
             await state.metrics.cleanup()
         if state.autoscaler is not None:
@@ -148,28 +174,57 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
                 state.pending.discard(key)
                 await reconcile_once(*key, logger, retry)
                 if key not in state.pending:
-                    return
+                    break
+        # Done: a retry still waiting for this resource has nothing left to do.
+        waiting = state.retries.pop(key, None)
+        if waiting is not None:
+            waiting.cancel()
+
+    async def run_or_retry(namespace: str, name: str, logger: Any, why: str) -> None:
+        """A pass that no kopf handler retries: a refused one is tried again after the same
+        doubling delay, in a task of its own, until one succeeds."""
+
+        async def attempt(retry: int) -> None:
+            parent = {"metadata": {"name": name, "namespace": namespace}}
+            try:
+                await run(parent, logger, retry)
+            except kopf.TemporaryError as error:
+                if key in state.retries:
+                    return  # a retry waits already
+                delay = options.retry_delay(retry)
+                logger.warning(f"{name} not reconciled {why}: {error}; again in {delay:g} s")
+                state.retries[key] = asyncio.create_task(later(retry + 1, delay))
+
+        async def later(retry: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            state.retries.pop(key, None)
+            await attempt(retry)
+
+        key = (namespace, name)
+        await attempt(0)
 
     async def reconcile_after_verdict(namespace: str, name: str) -> None:
         # The rollout controller promoted or rolled back a canary: apply what that means now.
-        parent = {"metadata": {"name": name, "namespace": namespace}}
-        try:
-            await run(parent, logging.getLogger("tidegate.rollout"))
-        except kopf.TemporaryError as error:
-            logging.getLogger("tidegate.rollout").warning(
-                f"{name} not reconciled after a canary verdict: {error}"
-            )
+        await run_or_retry(
+            namespace, name, logging.getLogger("tidegate.rollout"), "after a canary verdict"
+        )
 
     async def reconcile_once(namespace: str, name: str, logger: Any, retry: int) -> None:
+        try:
+            refused = await reconcile_latest(namespace, name, logger)
+        except KubeError as error:  # a read or the status write refused, cut off or too slow
+            refused = str(error)
+        if refused is not None:
+            raise kopf.TemporaryError(refused, delay=options.retry_delay(retry))
+
+    async def reconcile_latest(namespace: str, name: str, logger: Any) -> str | None:
+        """One pass over the resource as it is now; why to try again, or None."""
         assert state.kube is not None, "login handler did not run"
         # Read afresh: the body of a queued event may be stale.
         latest = await state.kube.get(API_VERSION, KIND, namespace, name)
         if latest is None or latest.get("metadata", {}).get("deletionTimestamp"):
-            return
-        try:
-            outcome = await reconcile(state.kube, latest, options.render, logger)
-        except KubeError as error:
-            raise kopf.TemporaryError(str(error), delay=options.retry_delay(retry)) from error
+            return None
+        outcome = await reconcile(state.kube, latest, options.render, logger)
         reason = outcome.error[0] if outcome.error is not None else None
         # A missing CRD left one object out: the pools run, so their autoscaler and report do.
         if reason in (None, CRD_NOT_INSTALLED) and state.autoscaler is not None:
@@ -186,7 +241,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         # the spec does, and a new spec is a new reconcile. A CRD installed later brings no
         # event of ours, so that pass is retried like a refused apply.
         if outcome.error is not None and reason in (APPLY_FAILED, CRD_NOT_INSTALLED):
-            raise kopf.TemporaryError(outcome.error[1], delay=options.retry_delay(retry))
+            return outcome.error[1]
+        return None
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
@@ -204,11 +260,8 @@ def build_registry(options: OperatorOptions | None = None) -> kopf.OperatorRegis
         owner = _owner_name(body)
         if owner is None or type is None:  # type None: the initial listing, resume covers it
             return
-        parent = {"metadata": {"name": owner, "namespace": body["metadata"].get("namespace")}}
-        try:
-            await run(parent, logger)
-        except kopf.TemporaryError as error:
-            logger.warning(f"{owner} not reconciled after a change of its child: {error}")
+        namespace = body["metadata"].get("namespace") or "default"
+        await run_or_retry(namespace, owner, logger, "after a change of its child")
 
     for api_version, kind in OWNED_KINDS:
         group, _, version = api_version.rpartition("/")
@@ -274,7 +327,8 @@ def run_operator(
     """Run until stopped: every namespace when `namespaces` is empty, else only those."""
     kopf.run(
         registry=build_registry(options),
-        standalone=True,
+        standalone=options.peering is None,
+        peering_name=options.peering,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=liveness_endpoint,

@@ -54,6 +54,8 @@ KINDS: dict[tuple[str, str], str] = {
     ("v1", "Event"): "events",
     # The Deployments' ReplicaSets, read for status.revisions.
     ("apps/v1", "ReplicaSet"): "replicasets",
+    # The KV transfer's key pair (operator/kv_keys.py): created, never read, listed or watched.
+    ("v1", "Secret"): "secrets",
 }
 
 
@@ -77,8 +79,10 @@ def object_path(api_version: str, kind: str, namespace: str, name: str | None = 
 class Kube:
     """Create, apply, list, delete and patch status over one connection."""
 
-    def __init__(self, info: kopf.ConnectionInfo) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0) -> None:
         self._info = info
+        # A call still unanswered after this is a KubeError 503, like an unreachable server.
+        self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -87,7 +91,7 @@ class Kube:
                 base_url=self._info.server.rstrip("/") + "/",
                 headers=self._info.as_http_headers(),
                 connector=aiohttp.TCPConnector(ssl=self._info.as_ssl_context()),
-                timeout=aiohttp.ClientTimeout(total=30),
+                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
             )
         return self._session
 

@@ -44,6 +44,8 @@ def write_yaml(resources: list[dict[str, Any]], plans: list[Rendered], out: Text
                 out.write(f"#   {role}.replicas={row[1]}: {row[2]}\n")
         if rendered.spec.adapters is not None:
             out.write(f"#   {_adapters_heading(rendered.spec)}\n")
+        if rendered.kv_keys is not None:
+            out.write(f"#   {_kv_keys_note(rendered.kv_keys)}\n")
         for obj in rendered.objects:
             out.write("---\n")
             out.write(yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=100))
@@ -62,7 +64,11 @@ def write_table(
         meta = resource["metadata"]
         out.write(f"{meta['name']} ({meta.get('namespace') or 'default'}): {rendered.endpoint}\n\n")
         rows = [(obj["kind"], obj["metadata"]["name"]) for obj in rendered.objects]
+        if rendered.kv_keys is not None:
+            rows.append(("Secret", f"{rendered.kv_keys['metadata']['name']} (made once)"))
         out.write(_table(("KIND", "NAME"), rows))
+        if rendered.kv_keys is not None:
+            out.write(f"{_kv_keys_note(rendered.kv_keys)}\n")
         out.write("\n")
         out.write(_table(("ROLE", "FLAG", "VALUE", "REASON"), _tuning_rows(rendered)))
         out.write("\n")
@@ -79,6 +85,17 @@ def write_table(
                 out.write(f"  {step}\n")
             if (steps or {}).get(meta["name"]):
                 out.write("\n")
+
+
+def _kv_keys_note(kv_keys: dict[str, Any]) -> str:
+    """What the Secret of the KV key pair is, and who makes it: not in the objects, since a
+    pure render has no key."""
+    name = kv_keys["metadata"]["name"]
+    return (
+        f"Secret {name}: the key pair both pools encrypt the KV transfer with; the operator "
+        f"creates it once. Applied without the operator, create it first: kubectl create "
+        f"secret generic {name} --from-file=public.key --from-file=secret.key"
+    )
 
 
 def _changes_section(changes: list[RoleChange] | None) -> str:

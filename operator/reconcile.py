@@ -18,6 +18,8 @@ from typing import Any
 
 from tidegate.operator.closed_loop import TUNING_STATUS_KEY, tuning_inputs
 from tidegate.operator.events import rfc3339
+from tidegate.operator.host_paths import REASON as HOST_PATH_REFUSED
+from tidegate.operator.host_paths import HostPathRefused
 from tidegate.operator.kube import (
     AUTOSCALER_FIELD_MANAGER,
     FIELD_MANAGER,
@@ -26,6 +28,7 @@ from tidegate.operator.kube import (
     Kube,
     KubeError,
 )
+from tidegate.operator.kv_keys import key_secret
 from tidegate.operator.labels import COMPONENT_LABEL, owned_labels, selector_labels
 from tidegate.operator.render import (
     POOL_KINDS,
@@ -106,8 +109,11 @@ def is_subset(want: Any, have: Any) -> bool:
 
 def refusal(error: SpecError) -> tuple[str, str]:
     """The Degraded condition's (reason, message) for a spec the operator will not serve."""
-    reason = "TuningRefused" if isinstance(error, TuningError) else "InvalidSpec"
-    return reason, str(error)
+    if isinstance(error, TuningError):
+        return "TuningRefused", str(error)
+    if isinstance(error, HostPathRefused):
+        return HOST_PATH_REFUSED, str(error)
+    return "InvalidSpec", str(error)
 
 
 def _key(obj: Mapping[str, Any]) -> str:
@@ -164,7 +170,9 @@ async def reconcile(
         endpoint = rendered.endpoint
         objects = staged.objects
         try:
-            live = await _apply_all(kube, objects, rendered.scaled, outcome, logger)
+            live = await _apply_all(
+                kube, objects, rendered.scaled, outcome, logger, rendered.kv_keys
+            )
             await _delete_stale(kube, namespace, name, meta.get("uid"), objects, outcome)
         except KubeError as error:
             outcome.error = (APPLY_FAILED, error.message)
@@ -377,18 +385,59 @@ def dropped_selector_keys(obj: Mapping[str, Any], live: Mapping[str, Any] | None
     return patch
 
 
+def wants_kv_keys(obj: Mapping[str, Any], live: Mapping[str, Any] | None, secret: str) -> bool:
+    """Whether the Secret `secret` (the KV key pair) must be made sure of before `obj` is
+    applied: `obj` is a pool whose pods mount it, and it is new, its pod template changes, or
+    some of its pods are unavailable (as when someone deleted the Secret). The operator may not
+    read Secrets, so it creates it then, and one that exists (409) is kept as it is."""
+    if not is_pool(obj):
+        return False
+    volumes = pod_template(obj)["spec"].get("volumes", [])
+    if not any((v.get("secret") or {}).get("secretName") == secret for v in volumes):
+        return False
+    if live is None:
+        return True
+    unavailable = (live.get("status") or {}).get("unavailableReplicas")
+    return bool(unavailable) or not is_subset(pod_template(obj), pod_template(live))
+
+
+async def _create_kv_keys(
+    kube: Kube,
+    described: Mapping[str, Any],
+    outcome: Outcome,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """Create the KV key pair's Secret with a fresh pair, unless it exists: never rewritten, as
+    the running pods hold the pair they read at start."""
+    try:
+        await kube.create(key_secret(described))
+    except KubeError as error:
+        if error.status != 409:
+            raise
+        return
+    outcome.created.append(_key(described))
+    logger.info(f"created {_key(described)} with a fresh KV key pair")
+
+
 async def _apply_all(
     kube: Kube,
     objects: list[dict[str, Any]],
     scaled: frozenset[str],
     outcome: Outcome,
     logger: logging.Logger | logging.LoggerAdapter,
+    kv_keys: Mapping[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Create what is missing, apply what differs; returns the live objects by kind/name."""
+    """Create what is missing, apply what differs; returns the live objects by kind/name.
+
+    `kv_keys`: the Secret of the KV key pair (`Rendered.kv_keys`), created when a pool that
+    mounts it needs it (`wants_kv_keys`), before that pool is applied."""
     live_objects: dict[str, dict[str, Any]] = {}
     for obj in objects:
         meta = obj["metadata"]
         live = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if kv_keys is not None and wants_kv_keys(obj, live, kv_keys["metadata"]["name"]):
+            await _create_kv_keys(kube, kv_keys, outcome, logger)
+            kv_keys = None  # once a pass
         if live is None:
             try:
                 live = await kube.create(obj)
@@ -409,6 +458,8 @@ async def _apply_all(
                 live = await kube.get(
                     obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]
                 )
+                if live is None:  # ... and it is gone again (or was going): the retry creates it
+                    raise
             else:
                 live_objects[_key(obj)] = live or obj
                 continue

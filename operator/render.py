@@ -1,7 +1,8 @@
 """What should exist for one LLMDeployment: a pure function from the resource to objects.
 
-No I/O here: the handlers apply what `render` returns, `tidegate plan` prints it, and the
-tests validate it against the upstream Kubernetes schemas.
+No I/O here (but the operator's hostPath allow-list, which looks for links where the operator
+can see them: `operator/host_paths.py`): the handlers apply what `render` returns, `tidegate
+plan` prints it, and the tests validate it against the upstream Kubernetes schemas.
 
 Unified: ConfigMap, Deployment, Service, PodDisruptionBudget; when its policy lets the pool
 reach zero, a router Deployment in front (balancing, and holding requests at zero) behind the
@@ -10,6 +11,9 @@ PodDisruptionBudget for the router too. Disaggregated: ConfigMap,
 prefill and decode Deployments behind headless Services (the router resolves their pods),
 a router Deployment behind the public Service, a PodDisruptionBudget per Deployment, and a
 NetworkPolicy `<name>-kv` that lets only the decode pods reach the prefill pods' KV ports.
+Unless topology.kvEncryption is none, both pools also mount the Secret `<name>-kv-curve`, the
+key pair that encrypts the KV transfer; render only describes it (`Rendered.kv_keys`), and the
+reconcile creates it once with a fresh pair (operator/kv_keys.py): a pure render has no keys.
 Wherever a router runs, the engines publish their KV-cache events and the router, which
 mounts the model read-only to tokenize prompts as they do, routes each request to the engine
 holding most of its prefix; a NetworkPolicy (`<name>-cache-events` for unified or decode
@@ -50,6 +54,7 @@ import yaml
 
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs, kv_port_layout
 from tidegate.operator.autoscaler import starting_replicas
+from tidegate.operator.host_paths import HostPathPolicy
 from tidegate.operator.labels import child_labels, selector_labels
 from tidegate.operator.render_scalers import scaler_objects
 from tidegate.operator.spec import (
@@ -91,6 +96,8 @@ CONFIG_DIR = "/etc/tidegate"
 # The API key's Secret is mounted here as a file: never in the ConfigMap, an env var or args.
 SECRET_DIR = "/var/run/secrets/tidegate"
 API_KEY_FILE = f"{SECRET_DIR}/api-key"
+# The KV transfer's key pair (the Secret <name>-kv-curve), in prefill and decode pods.
+KV_CURVE_DIR = "/var/run/secrets/kv-curve"
 MODEL_DIR = "/model"
 # spec.model.cache is mounted here, writable: models/<uri digest> holds a fetched model, and
 # compile/<image and model digest> the compiled kernels, which only that image and model use.
@@ -124,6 +131,9 @@ class RenderOptions:
     """What the operator knows that the resource does not say."""
 
     default_image: str = DEFAULT_ENGINE_IMAGE
+    # The node folders pods may mount (HostPathRefused otherwise). None: no list, for
+    # `tidegate plan` and `tidegate up`; `tidegate operator` always has one.
+    host_paths: HostPathPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,9 @@ class Rendered:
     # Whether the engines publish KV-cache events, on KV_EVENTS_PORT, and the router follows
     # them with the model's tokenizer.
     kv_events: bool = False
+    # The Secret of the KV transfer's key pair that the pools mount, without its keys: the
+    # reconcile creates it once, with a fresh pair (None: the KV transfer is not encrypted).
+    kv_keys: dict[str, Any] | None = None
 
 
 def render(
@@ -160,6 +173,8 @@ def render(
             "characters (lowercase letters, digits, '-'): it names the Services"
         )
     spec = parse_spec(resource.get("spec") or {})
+    if options.host_paths is not None:
+        options.host_paths.check(spec)
     tuning = tune(spec, measured)
     # A unified pool that may reach zero is reached through a router, which holds requests
     # while no engine is ready; the public Service then selects the router. The router is
@@ -219,6 +234,7 @@ def render(
         scaled=frozenset(scaled),
         grouped=ctx.grouped,
         kv_events=ctx.kv_events,
+        kv_keys=ctx.kv_keys_secret() if spec.topology.encrypts_kv() else None,
     )
 
 
@@ -311,6 +327,19 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     reasons: dict[str, str] = {}
     if tuning.role != "unified":
         values["kv_role"] = "producer" if tuning.role == "prefill" else "consumer"
+        if spec.topology.encrypts_kv():
+            values["kv_encryption"] = "curve"
+            reasons["kv_encryption"] = (
+                "the KV blocks (users' prompts) cross the pod network: encrypted, and only "
+                f"pods holding the key pair of Secret {ctx.kv_keys_name} may connect"
+            )
+            values["kv_curve_key_dir"] = KV_CURVE_DIR
+        else:
+            values["kv_encryption"] = "none"
+            reasons["kv_encryption"] = (
+                f"topology.kvEncryption none: KV blocks cross in the clear; only the "
+                f"NetworkPolicy {ctx.name}-kv guards them"
+            )
     if ctx.kv_events:
         values["kv_events_port"] = KV_EVENTS_PORT
         reasons["kv_events_port"] = (
@@ -568,6 +597,19 @@ class _Context:
     def config_map_name(self) -> str:
         return f"{self.name}-config"
 
+    @property
+    def kv_keys_name(self) -> str:
+        return f"{self.name}-kv-curve"
+
+    def kv_keys_secret(self) -> dict[str, Any]:
+        """The Secret of the KV key pair, without the keys (operator/kv_keys.py adds them)."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": self.metadata(self.kv_keys_name, "kv-keys"),
+            "type": "Opaque",
+        }
+
     def service_url(self, service: str) -> str:
         return f"http://{service}.{self.namespace}.svc:{ENGINE_PORT}"
 
@@ -625,11 +667,12 @@ class _Context:
     def kv_network_policy(self, prefill: RoleTuning) -> dict[str, Any]:
         """Prefill pods: http from anywhere, the KV ports only from this resource's decode pods.
 
-        A KV port serves raw cache blocks to whoever asks (no authentication), so the policy
-        guards those. Router and decode pods listen on http only (consumers dial producers,
-        never the reverse) and are not selected: a policy that selects a pod denies what it
-        does not list, and their http port has to stay open to the router, the kubelet's
-        probes and Prometheus alike, wherever those run.
+        With topology.kvEncryption none a KV port serves raw cache blocks to whoever asks, so
+        the policy guards those; with curve (the default) it keeps other pods from trying.
+        Router and decode pods listen on http only (consumers dial producers, never the
+        reverse) and are not selected: a policy that selects a pod denies what it does not
+        list, and their http port has to stay open to the router, the kubelet's probes and
+        Prometheus alike, wherever those run.
         """
         kv = [{"protocol": "TCP", "port": p["containerPort"]} for p in kv_ports(prefill)]
         ingress: list[dict[str, Any]] = [
@@ -763,6 +806,11 @@ class _Context:
             volumes += adapters.volumes
             mounts += adapters.mounts
             inits += adapters.init_containers
+        if role != "unified" and self.spec.topology.encrypts_kv():
+            # The whole Secret (no subPath), read-only, readable by the pod's group only.
+            secret = {"secretName": self.kv_keys_name, "defaultMode": 0o440}
+            volumes.append({"name": "kv-curve", "secret": secret})
+            mounts.append({"name": "kv-curve", "mountPath": KV_CURVE_DIR, "readOnly": True})
         container["volumeMounts"].extend(mounts)
         pod_spec = self.pod_spec(container, volumes)
         if inits:
@@ -905,7 +953,9 @@ class _Context:
 
     def pod_spec(self, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
         if self.api_key_ref is not None:
-            # Readable by the pod's group (fsGroup) only; read once, at start-up.
+            # Readable by the pod's group (fsGroup) only. The whole volume is mounted, never a
+            # subPath: the kubelet swaps a changed Secret in, and the engines and the router
+            # read the file again (a subPath mount would keep the old key until a restart).
             secret = {
                 "secretName": self.api_key_ref.name,
                 "items": [{"key": self.api_key_ref.key, "path": "api-key"}],

@@ -314,6 +314,11 @@ class RouterSpec(SpecModel):
     replicas: int = Field(1, ge=0, le=1000)
 
 
+KV_ENCRYPTION_DISAGGREGATED_ONLY = (
+    "kvEncryption is only allowed when mode is disaggregated: unified pods move no KV between pods"
+)
+
+
 class TopologySpec(SpecModel):
     """One unified pool, or prefill and decode pools behind a router."""
 
@@ -322,6 +327,12 @@ class TopologySpec(SpecModel):
     prefill: RoleSpec | None = None
     decode: RoleSpec | None = None
     router: RouterSpec | None = None
+    # Absent means curve: the blocks are users' prompts, so the safe choice is the default.
+    kv_encryption: Literal["curve", "none"] | None = Field(
+        None,
+        description="How KV blocks cross from prefill to decode pods: curve (the default when "
+        "absent) or none",
+    )
 
     @model_validator(mode="after")
     def _roles_match_mode(self) -> TopologySpec:
@@ -332,7 +343,13 @@ class TopologySpec(SpecModel):
                 raise ValueError("unified is only allowed when mode is unified")
         elif self.prefill is not None or self.decode is not None:
             raise ValueError("prefill and decode are only allowed when mode is disaggregated")
+        elif self.kv_encryption is not None:
+            raise ValueError(KV_ENCRYPTION_DISAGGREGATED_ONLY)
         return self
+
+    def encrypts_kv(self) -> bool:
+        """Whether KV blocks cross between the pools encrypted (ZMQ CURVE)."""
+        return self.mode == "disaggregated" and self.kv_encryption != "none"
 
     def roles(self) -> dict[str, RoleSpec]:
         """The engine pools this topology runs, by role name."""

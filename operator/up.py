@@ -14,6 +14,8 @@ these local substitutions only:
   /metrics names for the router), where in a cluster each pod has its own address and all
   use one port; the router reads the tokenizer from the local model folder;
 - the model source becomes a local folder (`--model-dir`, or the hostPath when it exists);
+- the KV transfer's key pair (the Secret `<name>-kv-curve` in a cluster) is made on this
+  machine, once per work folder, readable by this user only;
 - a Service becomes the URLs of the replicas behind it (the router's --prefill/--decode);
 - accelerator requests are ignored on a machine without CUDA (`--device cpu`, with a warning).
 A LeaderWorkerSet pool (replicas over several nodes) runs each replica as a group of
@@ -53,6 +55,7 @@ from tidegate.common.cpus import available_cpus
 from tidegate.common.local_server import LocalServer, free_port, tidegate_command
 from tidegate.engine.config import API_KEY_ENV
 from tidegate.operator.autoscaler import starting_replicas
+from tidegate.operator.kv_keys import write_key_dir
 from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import (
@@ -60,6 +63,7 @@ from tidegate.operator.render import (
     API_KEY_FILE,
     CACHE_DIR,
     CONFIG_DIR,
+    KV_CURVE_DIR,
     LWS_GROUP_SIZE,
     LWS_LEADER_ADDRESS,
     LWS_WORKER_INDEX,
@@ -222,6 +226,7 @@ def plan(
     spec.adapters, the adapters file lists this machine's folders (`local_adapters`): a pvc
     adapter's claim is a folder of `claim_dirs`.
     """
+    # No hostPath allow-list: up runs as the user, whose own folders the pods read.
     rendered = render(resource, RenderOptions())
     policies = rendered.spec.autoscaling.policies() if rendered.spec.autoscaling else {}
     config_map = next(o for o in rendered.objects if o["kind"] == "ConfigMap")
@@ -332,7 +337,7 @@ def _free(port: int) -> bool:
 
 @dataclass(frozen=True)
 class LocalConfig:
-    """The folders standing for a pod's mounts: the ConfigMap's, the Secret's, the cache's."""
+    """The folders standing for a pod's mounts: the ConfigMap's, the Secrets', the cache's."""
 
     config_dir: Path
     secret_dir: Path
@@ -343,6 +348,7 @@ class LocalConfig:
         text = text.replace(SECRET_DIR, str(self.secret_dir)).replace(
             CACHE_DIR, str(self.cache_dir)
         )
+        text = text.replace(KV_CURVE_DIR, str(local_kv_keys_dir(self.secret_dir)))
         path = self.config_dir / key
         # A new file renamed over the old: a process that starts meanwhile reads a whole one.
         partial = path.with_name(f".{key}.partial")
@@ -373,30 +379,33 @@ def _local_cache(spec: LLMDeploymentSpec, workdir: Path) -> Path:
     return workdir / "model-cache"
 
 
+def local_kv_keys_dir(secret_dir: Path) -> Path:
+    """The folder standing for the KV key pair's Secret, inside the one for the API key's."""
+    return secret_dir / "kv-curve"
+
+
 def _local_secrets(
     rendered: Rendered, workdir: Path, environ: Mapping[str, str] = os.environ
 ) -> Path:
-    """The folder standing for the mounted Secret: the API key from TIDEGATE_API_KEY, if asked."""
+    """The folder standing for the mounted Secrets: the API key from TIDEGATE_API_KEY, if
+    asked, and a KV key pair made here, if the pools encrypt their KV transfer."""
     secret_dir = workdir / "secrets"
-    secrets = [
-        volume["secret"]
-        for o in rendered.objects
-        if is_pool(o)
-        for volume in pod_template(o)["spec"]["volumes"]
-        if "secret" in volume
-    ]
-    if not secrets:
-        return secret_dir
-    key = environ.get(API_KEY_ENV)
-    if not key:
-        raise UpError(
-            f"the endpoint takes its API key from Secret {secrets[0]['secretName']}, which only "
-            f"a cluster has; set {API_KEY_ENV} to the key to use here"
-        )
-    secret_dir.mkdir(mode=0o700, exist_ok=True)
-    path = secret_dir / Path(API_KEY_FILE).name
-    path.touch(mode=0o600)
-    path.write_text(key)
+    auth = rendered.spec.auth
+    api_key_ref = auth.api_key_secret_ref if auth is not None else None
+    if api_key_ref is not None:
+        key = environ.get(API_KEY_ENV)
+        if not key:
+            raise UpError(
+                f"the endpoint takes its API key from Secret {api_key_ref.name}, which only "
+                f"a cluster has; set {API_KEY_ENV} to the key to use here"
+            )
+        secret_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = secret_dir / Path(API_KEY_FILE).name
+        path.touch(mode=0o600)
+        path.write_text(key)
+    if rendered.kv_keys is not None:
+        secret_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_key_dir(local_kv_keys_dir(secret_dir))
     return secret_dir
 
 

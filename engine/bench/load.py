@@ -122,8 +122,10 @@ async def run_load(
     extra_body: dict | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
     timeout_s: float = 600.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request at its arrival time (at most `max_concurrency` in flight).
+    """Send every request at its arrival time (at most `max_concurrency` in flight), with
+    `headers` on each (a tenant's, say).
 
     Returns the records, in workload order, and the wall time of the whole run.
     """
@@ -131,7 +133,7 @@ async def run_load(
     times = arrival_times(requests, request_rate, seed)
     records = [RequestRecord(r.group, len(r.prompt), r.max_tokens) for r in requests]
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     connections = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=timeout_s, limits=connections

@@ -61,9 +61,11 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_long_partial_prefills=args.max_long_partial_prefills,
         max_model_len=max_model_len,
-        phased=args.scheduling_policy == "phased",
+        phased=args.step_composition == "phased",
         adaptive_chunking=adaptive,
         max_loras=args.max_loras if args.enable_lora else None,
+        policy=args.scheduling_policy,
+        max_running_per_tenant=args.max_running_per_tenant,
     )
 
 

@@ -52,6 +52,7 @@ def run_engine_core(
     input_address: str,
     output_address: str,
     max_waiting_requests: int | None,
+    max_waiting_per_tenant: int | None = None,
 ) -> None:
     """Process entry point: build the engine, shake hands, loop until shutdown or death."""
     title = f"tidegate::engine_core_{engine_index}"
@@ -83,7 +84,7 @@ def run_engine_core(
         block_size=args.block_size,
     )
     requests.send_multipart([READY, msgspec.msgpack.encode(ready)])
-    proc = EngineCoreProc(engine, engine_index, max_waiting_requests)
+    proc = EngineCoreProc(engine, engine_index, max_waiting_requests, max_waiting_per_tenant)
     code = proc.run(ctx, requests, output_address)
     ctx.term()
     raise SystemExit(code)
@@ -93,11 +94,16 @@ class EngineCoreProc:
     """The busy loop and its two socket threads."""
 
     def __init__(
-        self, engine: EngineCore, engine_index: int, max_waiting_requests: int | None
+        self,
+        engine: EngineCore,
+        engine_index: int,
+        max_waiting_requests: int | None,
+        max_waiting_per_tenant: int | None = None,
     ) -> None:
         self.engine = engine
         self.engine_index = engine_index
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_per_tenant = max_waiting_per_tenant
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._shutting_down = threading.Event()
@@ -169,6 +175,7 @@ class EngineCoreProc:
     def _handle_inputs(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued adds, aborts and KV events; False once shutdown was asked for."""
         rejected: list[str] = []
+        rejected_tenant: list[str] = []
         changed = self.engine.process_kv_events()  # timeouts, even when nothing arrives
         while True:
             try:
@@ -193,9 +200,11 @@ class EngineCoreProc:
                 self.engine.abort_requests(payload)
             elif self._queue_full():
                 rejected.append(payload.request_id)
+            elif self._tenant_queue_full(payload.tenant):
+                rejected_tenant.append(payload.request_id)
             else:
                 self.engine.add_request(payload)
-        if rejected or (changed and not self.engine.has_unfinished_requests()):
+        if rejected or rejected_tenant or (changed and not self.engine.has_unfinished_requests()):
             # No step follows to report the new state (an abort emptied the engine, or a
             # request was refused): report it now.
             self.output_queue.put(
@@ -203,6 +212,7 @@ class EngineCoreProc:
                     self.engine_index,
                     scheduler_stats=self.engine.scheduler_stats(),
                     rejected_request_ids=rejected,
+                    rejected_tenant_request_ids=rejected_tenant,
                     kv_events=self.engine.take_cache_events(),
                 )
             )
@@ -211,6 +221,10 @@ class EngineCoreProc:
     def _queue_full(self) -> bool:
         limit = self.max_waiting_requests
         return limit is not None and self.engine.scheduler.num_waiting >= limit
+
+    def _tenant_queue_full(self, tenant: str | None) -> bool:
+        limit = self.max_waiting_per_tenant
+        return limit is not None and self.engine.scheduler.num_waiting_of(tenant) >= limit
 
     # -- threads ----------------------------------------------------------------------------
 

@@ -60,8 +60,13 @@ class Request:
         arrival_time: float | None = None,
         kv_transfer: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # None: the anonymous tenant. Lower priority values go first (--scheduling-policy).
+        self.tenant = tenant
+        self.priority = priority
         self.lora_request = lora_request
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -107,6 +112,8 @@ class Request:
             arrival_time=message.arrival_time,
             kv_transfer=parse_kv_transfer_params(message.kv_transfer_params),
             lora_request=message.lora_request,
+            tenant=message.tenant,
+            priority=message.priority,
         )
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
@@ -12,6 +12,7 @@ from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
 from tidegate.engine.core.request_grammar import GrammarCompiler, RequestGrammar, build_bitmask
+from tidegate.engine.core.request_queue import Tenant, WaitingQueue, waiting_queue
 from tidegate.engine.core.step_budget import StepBudget, StepLimits
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
 from tidegate.engine.kv_transfer.params import RemoteDecode
@@ -41,8 +42,11 @@ class Scheduler:
     """Decides, step by step, which requests compute how many tokens; owns the KV cache manager.
 
     There are no prefill and decode phases: each request has `num_computed_tokens` and a step
-    advances it. RUNNING requests are served first (oldest first), then WAITING ones. When
-    blocks run out the newest running request is preempted by recompute.
+    advances it. RUNNING requests are served first, then WAITING ones, each in the order of
+    the scheduling policy (`StepLimits.policy`; engine/core/request_queue.py for WAITING). When
+    blocks run out the last running request in that order is preempted by recompute: the
+    newest (fcfs), the lowest priority (priority), or the newest of the tenant running most
+    (fair).
 
     With `async_scheduling` the next step is planned while this one runs: a step that will
     sample a token for a request leaves a placeholder (`num_output_placeholders`), which the
@@ -84,7 +88,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = waiting_queue(limits.policy)
         self.running: list[Request] = []
         # Ids the runner must forget at its next step.
         self._finished_req_ids: set[str] = set()
@@ -113,7 +117,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         constraint = request.sampling_params.structured_outputs
         # A producer's one token is thrown away (the consumer samples the first token itself
         # and constrains it), so its grammar would be compiled for nothing.
@@ -150,6 +154,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def num_waiting_of(self, tenant: Tenant) -> int:
+        """Waiting requests of one tenant."""
+        return self.waiting.num_of(tenant)
+
     @property
     def num_waiting_for_grammar(self) -> int:
         """Waiting requests whose grammar is still compiling."""
@@ -169,6 +177,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones, within the budget."""
+        self._order_running()
         max_seqs = None
         if self.micro_batches > 1:
             # This micro-batch's share of the requests (the others run, or will, in the rest).
@@ -218,6 +227,27 @@ class Scheduler:
         if decodes or tokens:
             self._step_log.append(StepTime(seconds, decodes, tokens))
 
+    def _order_running(self) -> None:
+        """Running requests in the policy's order: served from the front, preempted from the
+        back. fcfs keeps admission order; priority sorts by (priority, arrival); fair puts
+        every tenant's k-th oldest before anyone's (k+1)-th, so that a short step's prompt
+        tokens go to each tenant's first requests before any tenant's second."""
+        if self.limits.policy == "priority":
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        elif self.limits.policy == "fair":
+            seen: Counter[Tenant] = Counter()
+            ranks = []
+            for request in self.running:
+                ranks.append(seen[request.tenant])
+                seen[request.tenant] += 1
+            order = sorted(range(len(self.running)), key=ranks.__getitem__)
+            self.running[:] = [self.running[i] for i in order]
+
+    def _spend(self, budget: StepBudget, request: Request, num_tokens: int) -> None:
+        """Take a request's tokens out of the step's budget and charge them to its tenant."""
+        budget.spend(num_tokens)
+        self.waiting.charge(request.tenant, num_tokens)
+
     def _schedule_running(
         self,
         budget: StepBudget,
@@ -225,7 +255,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData],
         preempted: set[str],
     ) -> None:
-        """Give running requests their tokens, oldest first, preempting the newest if needed."""
+        """Give running requests their tokens in order, preempting from the back if needed."""
         index = 0
         while index < len(self.running) and not budget.is_spent:
             request = self.running[index]
@@ -261,7 +291,7 @@ class Scheduler:
                 )
             )
             scheduled[request.request_id] = num_new
-            budget.spend(num_new)
+            self._spend(budget, request, num_new)
             index += 1
 
         # Prompts that stay part-way through prefill count against the partial-prefill limits,
@@ -380,25 +410,44 @@ class Scheduler:
         new_reqs: list[NewRequestData],
         cached_reqs: list[CachedRequestData],
     ) -> None:
-        """Admit waiting requests in order; a prompt that would exceed the partial limits waits,
-        and so does one whose adapter would be one too many for a step (`max_loras`)."""
-        skipped: list[Request] = []
+        """Admit waiting requests in the policy's order. Those passed over keep their places:
+        a prompt that would exceed the partial limits, one whose adapter would be one too many
+        for a step (`max_loras`), and every request of a tenant with `max_running_per_tenant`
+        running."""
+        try:
+            self._admit_waiting(budget, scheduled, new_reqs, cached_reqs)
+        finally:
+            self.waiting.end_pass()
+
+    def _admit_waiting(
+        self,
+        budget: StepBudget,
+        scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        waiting = self.waiting
         adapters = _AdapterSlots(self.limits.max_loras, self.running)
-        while self.waiting and not budget.is_spent:
-            if len(self.running) >= self.limits.max_num_seqs:
+        cap = self.limits.max_running_per_tenant
+        running_of = Counter(r.tenant for r in self.running) if cap is not None else Counter()
+        while not budget.is_spent and len(self.running) < self.limits.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
                 break
-            request = self.waiting[0]
+            if cap is not None and running_of[request.tenant] >= cap:
+                waiting.exclude(request.tenant)
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 ready = self._grammar_ready(request)
                 if not ready:
                     # Compiling (it keeps its place), or refused (gone from the queue).
-                    if self.waiting and self.waiting[0] is request:
-                        skipped.append(self.waiting.popleft())
+                    if request in waiting:
+                        waiting.set_aside()
                     continue
             if not adapters.admits(request):
-                skipped.append(self.waiting.popleft())
+                waiting.set_aside()
                 continue
             if self.kv_transfer.wants_pull(request):
                 parked = self._park_for_pull(request)
@@ -419,7 +468,7 @@ class Scheduler:
             if partial and self.limits.phased:
                 break  # phased steps never split a prompt; it waits for a step of its own
             if partial and not budget.admits_partial(request):
-                skipped.append(self.waiting.popleft())
+                waiting.set_aside()
                 continue
             if not self._leaves_headroom(request, computed_blocks, num_cached + num_new, held):
                 break
@@ -429,7 +478,7 @@ class Scheduler:
                 is None
             ):
                 break
-            self.waiting.popleft()
+            waiting.pop(request)
             if partial:
                 budget.count_partial(request)
             request.num_computed_tokens = num_cached
@@ -462,10 +511,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             adapters.add(request)
+            running_of[request.tenant] += 1
             scheduled[request.request_id] = num_new
-            budget.spend(num_new)
-        # Skipped prompts keep their place at the front, in their original order.
-        self.waiting.extendleft(reversed(skipped))
+            self._spend(budget, request, num_new)
 
     def _leaves_headroom(
         self, request: Request, computed_blocks: list, num_tokens: int, held: int = 0
@@ -490,7 +538,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     # -- after the model ran ----------------------------------------------------------------
 
@@ -575,7 +623,7 @@ class Scheduler:
         request.status = status
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         self.kv_transfer.forget_pull(request)
         if status is not RequestStatus.FINISHED_ABORTED and self.kv_transfer.wants_pin(request):
@@ -608,7 +656,7 @@ class Scheduler:
             return None
         if kv.allocate_slots(request, num_remote, computed_blocks, num_cached, cache=False) is None:
             return None
-        self.waiting.popleft()
+        self.waiting.pop(request)
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
         request.first_scheduled_time = time.monotonic()
@@ -623,12 +671,12 @@ class Scheduler:
         assert isinstance(event, KVRecvDone)
         request = self.kv_transfer.record_pull(event)
         if request is not None:
-            self.waiting.appendleft(request)
+            self.waiting.prepend(request)
 
     def expire_kv(self, now: float) -> None:
         """Free pins nobody claimed in time; compute prompts whose pull never finished."""
         for request in self.kv_transfer.expire(now):
-            self.waiting.appendleft(request)
+            self.waiting.prepend(request)
 
     # -- stats --------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidegate.engine.config import SchedulingPolicy
 from tidegate.engine.core.request import Request
 
 
@@ -24,6 +25,10 @@ class StepLimits:
     adaptive_chunking: bool = False
     # LoRA: distinct adapters among the running requests (None: adapters are off).
     max_loras: int | None = None
+    # Which waiting request goes first, and which running one is preempted first.
+    policy: SchedulingPolicy = "fcfs"
+    # Running requests one tenant may have; its waiting ones are passed over meanwhile.
+    max_running_per_tenant: int | None = None
 
 
 class StepBudget:

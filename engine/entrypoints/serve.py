@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -19,6 +20,9 @@ from tidegate.engine.config import EngineArgs, ServerArgs
 from tidegate.engine.http_server import STOP_SIGNALS, Drain, StoppableServer
 from tidegate.engine.metrics import PrometheusMetrics
 from tidegate.engine.process import LOG_FORMAT, name_process
+
+if TYPE_CHECKING:
+    from tidegate.engine.entrypoints.openai.auth import APIKeys
 
 logger = logging.getLogger("tidegate.serve")
 
@@ -33,11 +37,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
 async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     started = time.monotonic()
-    from tidegate.engine.entrypoints.openai.auth import load_api_key
+    from tidegate.engine.entrypoints.openai.auth import load_api_keys
 
     try:
         _check_roles(engine_args, server_args)
-        api_key = load_api_key(server_args)
+        api_keys = load_api_keys(server_args)
     except ValueError as error:
         logger.error("tidegate serve could not start: %s", error)
         return 1
@@ -58,6 +62,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         AsyncLLM.start(
             engine_args,
             max_waiting_requests=server_args.max_waiting_requests,
+            max_waiting_per_tenant=server_args.max_waiting_per_tenant,
             metrics=metrics,
             request_timeout=server_args.request_timeout,
         )
@@ -92,7 +97,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     if server_args.prefill_via_header:
         metrics.enable_prefill_via_header()
     try:
-        loras = _lora_serving(engine_args, server_args, engine, names, metrics, api_key)
+        loras = _lora_serving(engine_args, server_args, engine, names, metrics, api_keys)
     except ValueError as error:
         logger.error("tidegate serve could not start: %s", error)
         await engine.shutdown()
@@ -104,7 +109,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         engine,
         served_model_names=names,
         model_path=engine_args.model,
-        api_key=api_key,
+        api_key=api_keys,
         metrics=metrics,
         cache_salt_header=server_args.cache_salt_header,
         drain=drain,
@@ -159,13 +164,18 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
 
 
 def _check_roles(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Refuse, before the model loads, flags that this server's KV role cannot serve."""
+    """Refuse, before the model loads, flags that this server's KV role cannot serve, and
+    KV keys it cannot use."""
     if server_args.prefill_via_header and engine_args.kv_role != "consumer":
         raise ValueError(
             "--prefill-via-header needs --kv-role consumer: only a decode instance has a "
             "prefill instance compute its prompts and pulls their KV; this server has "
             f"--kv-role {engine_args.kv_role}"
         )
+    if engine_args.kv_role != "none" and engine_args.kv_curve_key_dir is not None:
+        from tidegate.engine.kv_transfer.zmq_curve import load_curve_keys
+
+        load_curve_keys(engine_args.kv_curve_key_dir)
 
 
 def _lora_serving(
@@ -174,7 +184,7 @@ def _lora_serving(
     engine: AsyncLLM,
     names: list[str],
     metrics: PrometheusMetrics,
-    api_key: str | None,
+    api_keys: APIKeys | None,
 ):
     """The server's adapters (--lora-modules, then the file), or None without enable_lora."""
     lora_flags = {
@@ -189,7 +199,7 @@ def _lora_serving(
                 f"{', '.join('--' + n.replace('_', '-') for n in given)} needs --enable-lora"
             )
         return None
-    if server_args.allow_runtime_lora_updates and not api_key:
+    if server_args.allow_runtime_lora_updates and api_keys is None:
         raise ValueError(
             "--allow-runtime-lora-updates needs an API key (--api-key-file): the routes "
             "make the server read any path it can"

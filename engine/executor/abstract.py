@@ -35,14 +35,16 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker and return rank 0's sampled tokens."""
+        """Run one step on every worker and return the output rank's sampled tokens."""
 
     @abstractmethod
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start a step behind any still running and return at once (async scheduling).
+        """Start a step behind any still running and return at once (async scheduling, and
+        pipeline micro-batches).
 
-        Steps run in the order they were started, each after the one before has finished
-        on every worker; their results must be collected in that order too.
+        Each worker runs the steps in the order they were started, each after the one before
+        has finished on that worker (with pipeline stages, step N+1 runs in one stage while
+        step N runs in the next); their results must be collected in that order too.
         """
 
     @property

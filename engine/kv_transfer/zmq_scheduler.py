@@ -4,7 +4,9 @@ One thread owns every socket (ZMQ sockets are not thread-safe):
 - a PULL socket where this engine core's workers report finished pulls;
 - producer: a ROUTER socket (the side channel, `--kv-port`) where consumers say "done";
 - consumer: a DEALER per producer it has pulled from, to send those notices;
-- an inproc PAIR that wakes the thread when the engine core queues a notice or stops.
+- an inproc PAIR that wakes the thread when the engine core queues a notice or stops;
+- with --kv-encryption curve, a producer's ZAP handler, which admits to the side channel only
+  consumers holding the deployment's key pair (`zmq_curve.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ import zmq
 from tidegate.engine.config import EngineArgs, KVPorts, kv_port_layout
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
 from tidegate.engine.kv_transfer.params import RemotePrefill
+from tidegate.engine.kv_transfer.zmq_curve import (
+    ZapHandler,
+    curve_client,
+    curve_server,
+    load_curve_keys,
+)
 from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
 from tidegate.engine.messages import KVEvent, KVRelease, KVWorkerConfig
 
@@ -59,14 +67,21 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         if args.kv_port:
             layout = kv_port_layout(args.kv_port, args.data_parallel_size_local, self.tp_size)
             ports = layout[engine_index]
+        # --kv-encryption curve: every TCP socket of this side and the workers' speaks CURVE.
+        self._curve_key_dir = args.kv_curve_key_dir if args.kv_encryption == "curve" else None
+        self._keys = load_curve_keys(self._curve_key_dir) if self._curve_key_dir else None
         self._ctx = zmq.Context()
         self.events_address = f"ipc://@tidegate-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._events = self._ctx.socket(zmq.PULL)
         self._events.bind(self.events_address)
         self._side: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None
         self.side_port = 0
         if self.role == "producer":
             self._side = self._ctx.socket(zmq.ROUTER)
+            if self._keys is not None:
+                self._zap = ZapHandler(self._ctx, self._keys)  # before the first handshake
+                curve_server(self._side, self._keys)
             self.side_port = bind_tcp(self._side, ports.side_channel)
         # Rank r of this engine core binds the first rank's port + r (KVWorkerConfig.data_port).
         self._data_port_base = ports.ranks[0]
@@ -87,6 +102,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             data_port=self._data_port_base,
             events_address=self.events_address,
             timeout_s=self.timeout_s,
+            curve_key_dir=self._curve_key_dir or "",
         )
 
     def start(self, data_ports: list[int], sink: Callable[[KVEvent], None]) -> None:
@@ -144,7 +160,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
     def _run(self, sink: Callable[[KVEvent], None]) -> None:
         decoder = msgspec.msgpack.Decoder(KVEvent)
         poller = zmq.Poller()
-        for sock in (self._events, self._waker.receiver, self._side):
+        zap = self._zap.socket if self._zap is not None else None
+        for sock in (self._events, self._waker.receiver, self._side, zap):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         try:
@@ -156,6 +173,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
                         self._send_outbox()
                     elif sock is self._events:
                         sink(decoder.decode(self._events.recv()))
+                    elif self._zap is not None and sock is zap:
+                        self._zap.answer()
                     else:
                         self._receive_side(sink, decoder)
         except Exception:
@@ -194,6 +213,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             peer = self._ctx.socket(zmq.DEALER)
             peer.setsockopt(zmq.LINGER, 1000)
             peer.setsockopt(zmq.SNDHWM, 1000)
+            if self._keys is not None:
+                curve_client(peer, self._keys)
             peer.connect(tcp_address(host, port))
             if len(self._peers) >= _MAX_PEERS:
                 _, oldest = self._peers.popitem(last=False)
@@ -205,4 +226,6 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         for sock in (self._events, self._waker.receiver, self._side, *self._peers.values()):
             if sock is not None:
                 sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
         self._peers.clear()

@@ -12,6 +12,11 @@ Consumer: a thread sends reads to the producers' ranks holding this rank's heads
 a deadline, checks dtype and shapes, and keeps the result in host memory. The model's
 thread writes it into the cache only when the scheduler says `load`, before the forward pass
 of the step that first runs the request, so no write ever races a step.
+
+With --kv-encryption curve the block server is a CURVE server whose ZAP handler admits only
+the deployment's key pair, and the puller's sockets are CURVE clients (`zmq_curve.py`). A
+refused handshake never reaches the socket itself, so the monitor that notices refused
+connections notices it too: the pull fails at once, not at its deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tidegate.engine.kv_transfer.base import KVConnectorWorker
 from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
+from tidegate.engine.kv_transfer.zmq_curve import (
+    ZapHandler,
+    curve_client,
+    curve_server,
+    load_curve_keys,
+)
 from tidegate.engine.kv_transfer.zmq_sockets import STOP, Waker, bind_tcp, tcp_address
 from tidegate.engine.messages import (
     KVConnectorMetadata,
@@ -49,6 +60,13 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 _PINS = b"pins"
 # How long a read waits for the pin of a transfer this rank has not heard of.
 _EARLY_READ_WAIT_S = 5.0
+# What a puller's monitor reports about a producer's connection: each fails the reads on it.
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_PEER_EVENTS = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -81,6 +99,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self.device = device
         self.kv_caches: KVCaches = []
         self._lock = threading.Lock()
+        self._keys = load_curve_keys(config.curve_key_dir) if config.curve_key_dir else None
         self._ctx = zmq.Context()
         self._waker = Waker(self._ctx, "kv-worker")
         # Producer: transfer id -> the block ids it may serve.
@@ -88,6 +107,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         # Recently unpinned transfers: a read of one fails at once instead of waiting.
         self._released: collections.deque[str] = collections.deque(maxlen=4096)
         self._server: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None
         self._data_port = 0
         # Consumer: pulls the thread is working on, finished ones, and ones to drop.
         self._new_pulls: queue.SimpleQueue[KVRecvSpec] = queue.SimpleQueue()
@@ -97,6 +117,9 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._events: zmq.Socket | None = None
         if config.role == "producer":
             self._server = self._ctx.socket(zmq.ROUTER)
+            if self._keys is not None:
+                self._zap = ZapHandler(self._ctx, self._keys)  # before the first handshake
+                curve_server(self._server, self._keys)
             self._data_port = bind_tcp(
                 self._server, config.data_port + rank if config.data_port else 0
             )
@@ -138,6 +161,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
         poller.register(self._waker.receiver, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.socket, zmq.POLLIN)
         decoder = msgspec.msgpack.Decoder(KVReadRequest)
         # A read can overtake its pin: the engine core tells this rank and the consumer at
         # about the same time. Such reads wait here (not blocking others) for a while.
@@ -152,6 +177,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 waker = self._waker.receiver
                 if waker in ready and waker.recv() == STOP:
                     return
+                if self._zap is not None and self._zap.socket in ready:
+                    self._zap.answer()
                 if self._server in ready:
                     *route, payload = self._server.recv_multipart()
                     try:
@@ -173,6 +200,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         finally:
             self._server.close(linger=0)
             self._waker.receiver.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
 
     def _answer(self, route: list[bytes], reply: KVReadReply, frames: list[memoryview]) -> None:
         assert self._server is not None
@@ -298,7 +327,9 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def _connect(self, address: tuple[str, int]) -> zmq.Socket:
         sock = self._peers[address] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+        if self._keys is not None:
+            curve_client(sock, self._keys)
+        monitor = sock.get_monitor_socket(_PEER_EVENTS)
         self._monitors[monitor] = address
         sock.connect(tcp_address(*address))
         self._poller.register(sock, zmq.POLLIN)
@@ -319,10 +350,19 @@ class ZmqConnectorWorker(KVConnectorWorker):
         sock.close(linger=0)
 
     def _peer_event(self, monitor: zmq.Socket) -> None:
-        """A producer refused or dropped the connection: its reads will never be answered."""
+        """A producer refused or dropped the connection, or the handshake failed: its reads
+        will never be answered."""
         address = self._monitors[monitor]
         event = recv_monitor_message(monitor)["event"]
-        reason = "refused the connection" if event == zmq.EVENT_CONNECT_RETRIED else "hung up"
+        if event == zmq.EVENT_CONNECT_RETRIED:
+            reason = "refused the connection"
+        elif event & _HANDSHAKE_FAILED:
+            reason = (
+                "refused the handshake (another CURVE key pair, or --kv-encryption differs "
+                "between the pools)"
+            )
+        else:
+            reason = "hung up"
         for rid in [rid for rid, pull in self._pulls.items() if address in _addresses(pull)]:
             self._fail(self._pulls.pop(rid), f"producer {address[0]}:{address[1]} {reason}")
         self._drop_peer(address)

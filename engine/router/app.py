@@ -17,7 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tidegate.engine.config import RouterArgs
-from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware, tenant_cache_salt
+from tidegate.engine.entrypoints.openai.auth import (
+    APIKeyMiddleware,
+    APIKeys,
+    as_api_keys,
+    following_key_file,
+    tenant_cache_salt,
+)
 from tidegate.engine.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     OpenAIError,
@@ -30,6 +36,7 @@ from tidegate.engine.router.epp import serve_endpoint_picker
 from tidegate.engine.router.health import HealthMonitor
 from tidegate.engine.router.proxy import Proxy
 from tidegate.engine.router.relay import wait_for_disconnect
+from tidegate.engine.router.tenant_limits import TenantLimitMiddleware
 
 logger = logging.getLogger("tidegate.router")
 
@@ -38,11 +45,15 @@ ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, "/v1/models", "/health", "/live", "
 OPEN_PATHS = ("/health", "/live", "/metrics")
 
 
-def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
-    """The router as an ASGI app; its lifespan runs the HTTP client and the health checks.
+def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlette:
+    """The router as an ASGI app; its lifespan runs the HTTP client, the health checks and
+    the following of the key file.
 
     With `api_key`, the router checks it before any leg starts; the instances check it again.
+    With the per-tenant limits, a tenant's requests in flight are bounded before any leg
+    starts as well (router/tenant_limits.py).
     """
+    keys = as_api_keys(api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -53,7 +64,10 @@ def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
         limits = httpx.Limits(
             max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
         )
-        async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+        async with (
+            httpx.AsyncClient(limits=limits, trust_env=False) as client,
+            following_key_file(keys),
+        ):
             proxy = Proxy(args, client)
             seeds = {"prefill": args.prefill, "decode": args.decode}
             monitor = HealthMonitor(
@@ -100,8 +114,18 @@ def build_app(args: RouterArgs, api_key: str | None = None) -> Starlette:
         Exception: _unexpected_error,
     }
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    if args.max_in_flight_per_tenant is not None:
+        # Inside the key check: a request without a valid key counts for nobody.
+        app.add_middleware(
+            TenantLimitMiddleware,
+            per_instance=args.max_in_flight_per_tenant,
+            instances=lambda: len(app.state.proxy.pools["decode"].healthy()),
+            paths=(COMPLETIONS_PATH, CHAT_PATH),
+            cache_salt_header=args.cache_salt_header,
+            keyed=keys is not None,
+        )
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=OPEN_PATHS)
     return app
 
 

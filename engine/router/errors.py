@@ -62,6 +62,19 @@ def shed(least_load: float, limit: float, retry_after_s: float) -> OpenAIError:
     )
 
 
+def tenant_limit(in_flight: int, limit: int, per_instance: int) -> OpenAIError:
+    """429: the tenant has as many requests in flight as the instances would hold of it."""
+    return OpenAIError(
+        429,
+        f"this tenant has {in_flight} requests in flight, at its limit of {limit} "
+        f"({per_instance} per healthy instance: --max-running-per-tenant plus "
+        "--max-waiting-per-tenant); retry after 1 s",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _unavailable(message: str, retry_after_s: float) -> OpenAIError:
     """A 503 that says when to retry, in the message and in Retry-After."""
     after = retry_after(retry_after_s)

@@ -12,7 +12,7 @@ import logging
 import uvicorn
 
 from tidegate.engine.config import RouterArgs
-from tidegate.engine.entrypoints.openai.auth import load_api_key
+from tidegate.engine.entrypoints.openai.auth import load_api_keys
 from tidegate.engine.http_server import StoppableServer
 from tidegate.engine.process import LOG_FORMAT, name_process
 from tidegate.engine.router.app import build_app
@@ -28,12 +28,12 @@ def run_router(args: RouterArgs) -> int:
         # httpx logs every upstream request at INFO: two lines per client request.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        api_key = load_api_key(args)
+        api_keys = load_api_keys(args)
     except ValueError as error:
         logger.error("tidegate router could not start: %s", error)
         return 1
     config = uvicorn.Config(
-        build_app(args, api_key),
+        build_app(args, api_keys),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

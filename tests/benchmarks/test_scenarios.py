@@ -114,6 +114,24 @@ def test_disaggregated_compares_unified_and_producer_consumer(tmp_path):
 
 
 @pytest.mark.slow
+def test_disaggregated_kv_encryption_compares_plain_and_curve(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nhand-written text stays\n")
+    command = [sys.executable, str(BENCHMARKS / "disaggregated.py"), "--smoke", "--kv-encryption"]
+    command += ["--repeats", "1", "--out-dir", str(tmp_path), "--readme", str(readme)]
+    subprocess.run(command, check=True, timeout=300)
+    result = json.loads((tmp_path / "disaggregated_encryption.json").read_text())
+    assert set(result["summary"]) == {"none", "curve"}
+    for runs in result["runs"].values():
+        (run,) = runs
+        assert run["failed"] == 0 and run["groups"]["long"]["ttft_ms"]["count"] == 2
+        # Every prompt's KV was pulled, encrypted or not: none was computed on the consumer.
+        assert run["pulls"]["count"] > 0 and run["pulls"]["fallbacks"] == 0
+    assert all(arm["transport_mib_per_s"] > 0 for arm in result["summary"].values())
+    assert "<!-- disaggregated_encryption -->" in readme.read_text()
+
+
+@pytest.mark.slow
 def test_executor_backend_alternates_its_arms(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nhand-written text stays\n")
@@ -237,3 +255,26 @@ def test_pipeline_parallel_times_stages_with_and_without_micro_batches(tmp_path)
             # Each stage's worker was busy for part of the run, and idle for the rest.
             assert len(run["stage_busy"]) == 2 and 0 < run["bubble"] < 1
     assert len(result["load_average_1m_per_turn"]) == 3
+
+
+@pytest.mark.slow
+def test_tenant_fairness_runs_b_alone_and_beside_a_flood_under_fcfs_and_fair(tmp_path):
+    readme = tmp_path / "README.md"
+    command = [sys.executable, str(BENCHMARKS / "tenant_fairness.py"), "--smoke", "--out-dir"]
+    subprocess.run([*command, str(tmp_path), "--readme", str(readme)], check=True, timeout=300)
+    result = json.loads((tmp_path / "tenant_fairness.json").read_text())
+    assert set(result["results"]) == {
+        "B alone",
+        "A floods, fcfs",
+        "A floods, fair",
+        "A floods, fair, running cap",
+    }
+    for run in result["results"].values():
+        assert run["b"]["failed"] == 0 and run["b"]["ttft_ms"]["count"] == 6
+        assert "--scheduling-policy" in run["flags"]
+    assert result["results"]["B alone"]["a_completed"] == 0
+    assert result["results"]["A floods, fair"]["a_completed"] > 0
+    assert len(result["targets"]) == 3
+    assert "--max-running-per-tenant" in result["results"]["A floods, fair, running cap"]["flags"]
+    assert result["machine"]["load_average_1m_at_start"] >= 0
+    assert "<!-- tenant-fairness -->" in readme.read_text()

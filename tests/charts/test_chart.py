@@ -57,6 +57,8 @@ PROBE = {"periodSeconds": 3, "timeoutSeconds": 1, "failureThreshold": 5}
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "named-namespaces": {"watchNamespaces": ["ml-serving", "ml-staging"]},
+    "replicas": {"replicas": 2},
+    "replicas-named-namespaces": {"replicas": 3, "watchNamespaces": ["ml-serving", "ml-staging"]},
     "image": {
         "image": {
             "repository": "registry.example.com/tidegate/operator",
@@ -67,6 +69,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "image-digest": {"image": {"digest": DIGEST}},
     "engine-image": {"engineImage": "registry.example.com/tidegate/engine:0.1.0"},
+    "host-paths": {
+        "hostPaths": {"readOnly": ["/models", "/srv/loras"], "cache": ["/var/cache/tidegate"]}
+    },
     "name-override": {"nameOverride": "llm-operator"},
     "fullname-override": {"fullnameOverride": "llm-ops"},
     "health-and-probes": {
@@ -244,11 +249,22 @@ MONITOR_SCHEMAS = {
 }
 
 
+# kopf's peering kinds, by the schemas of the chart's own CRDs for them.
+PEERING_SCHEMAS = {
+    crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for crd in yaml.safe_load_all((CHART / "crds" / "kopf-peering.yaml").read_text())
+}
+
+
 def assert_valid(obj: dict[str, Any]) -> None:
-    """The object is one the API server accepts (a Prometheus Operator one: its API's fields)."""
+    """The object is one the API server accepts (a Prometheus Operator one: its API's fields;
+    a kopf peering object: its CRD's)."""
     name = f"{obj['kind']} {obj['metadata']['name']}"
     if obj["apiVersion"].startswith("monitoring.coreos.com/"):
         jsonschema.validate(obj, MONITOR_SCHEMAS[obj["kind"]])
+        return
+    if obj["apiVersion"] == "kopf.dev/v1":
+        jsonschema.validate(obj, PEERING_SCHEMAS[obj["kind"]])
         return
     for version in KUBERNETES_VERSIONS:
         try:
@@ -263,7 +279,7 @@ def test_renders_objects_kubernetes_accepts(chart: helm.Chart, scenario: str) ->
     assert by_kind(objects, "Deployment"), "no operator Deployment"
     for obj in objects:
         assert_valid(obj)
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
             # Namespaced objects name their namespace: `helm template | kubectl apply` works.
             assert obj["metadata"]["namespace"], obj["metadata"]["name"]
 
@@ -271,9 +287,13 @@ def test_renders_objects_kubernetes_accepts(chart: helm.Chart, scenario: str) ->
 def test_the_crd_validates_and_is_the_repository_crd(chart: helm.Chart) -> None:
     source = REPO / "crds" / "llmdeployment.yaml"
     assert (CHART / "crds" / "llmdeployment.yaml").read_bytes() == source.read_bytes()
-    (crd,) = chart.crds
-    assert crd["data"] == source.read_text()
-    assert_valid(yaml.safe_load(crd["data"]))
+    crds = {crd["name"]: crd["data"] for crd in chart.crds}
+    assert crds["crds/llmdeployment.yaml"] == source.read_text()
+    assert_valid(yaml.safe_load(crds["crds/llmdeployment.yaml"]))
+    # ... and kopf's peering CRDs, for replicas above 1.
+    assert set(crds) == {"crds/llmdeployment.yaml", "crds/kopf-peering.yaml"}
+    for crd in yaml.safe_load_all(crds["crds/kopf-peering.yaml"]):
+        assert_valid(crd)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -314,6 +334,9 @@ def test_operator_runs_tidegate_operator_with_flags_the_cli_accepts(
     assert parsed.command == "operator"
     assert (parsed.namespace or []) == values["watchNamespaces"]
     assert parsed.engine_image == (values["engineImage"] or DEFAULT_ENGINE_IMAGE)
+    # The chart's lists are the operator's; empty by default, which allows no hostPath.
+    assert parsed.allowed_host_path == values["hostPaths"]["readOnly"]
+    assert parsed.allowed_cache_host_path == values["hostPaths"]["cache"]
     # The probes call the endpoint the operator serves, and the metrics port is its /metrics.
     port = int(re.fullmatch(r"http://0\.0\.0\.0:(\d+)/healthz", parsed.liveness).group(1))
     assert parsed.metrics_port == values["operatorMetrics"]["port"]
@@ -419,7 +442,7 @@ def handlers_requests(monkeypatch: pytest.MonkeyPatch) -> set[Rule]:
     deleted (children listed, deleted).
     """
     kube = RecordingKube()
-    monkeypatch.setattr(operator_handlers, "Kube", lambda info: kube)
+    monkeypatch.setattr(operator_handlers, "Kube", lambda info, **_: kube)
     monkeypatch.setattr(
         kopf, "login_with_service_account", lambda **_: kopf.ConnectionInfo(server="https://k")
     )
@@ -511,8 +534,9 @@ def _ready_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def kopf_needs(namespaced: bool) -> set[Rule]:
-    """What kopf itself reads and writes for the handlers registered (none of it our calls)."""
+def kopf_needs(namespaced: bool, peering: bool = False) -> set[Rule]:
+    """What kopf itself reads and writes for the handlers registered (none of it our calls),
+    and for its peering when several operators run."""
     rules: set[Rule] = set()
     registry = operator_handlers.build_registry()
     changing = registry._changing.get_all_handlers()
@@ -538,6 +562,12 @@ def kopf_needs(namespaced: bool) -> set[Rule]:
     if namespaced:
         # Serving named namespaces, kopf watches Namespaces to follow them (observation.py).
         rules |= {("", "namespaces", "list"), ("", "namespaces", "watch")}
+    if peering:
+        # It lists and watches the peering object, and patches its keep-alive into it
+        # (kopf/_core/engines/peering.py): a KopfPeering per served namespace, or the
+        # ClusterKopfPeering.
+        plural = "kopfpeerings" if namespaced else "clusterkopfpeerings"
+        rules |= {("kopf.dev", plural, verb) for verb in ("list", "watch", "patch")}
     return rules
 
 
@@ -557,7 +587,7 @@ def handlers_rules() -> Iterator[set[Rule]]:
         yield handlers_requests(monkeypatch)
 
 
-CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
@@ -584,6 +614,39 @@ def test_named_namespaces_get_roles_and_only_discovery_cluster_wide(
         assert granted(role["rules"]) == {r for r in needed if r[1] not in CLUSTER_SCOPED}
         assert_bound(objects, "RoleBinding", role)
     assert_bound(objects, "ClusterRoleBinding", cluster_role)
+
+
+@pytest.mark.parametrize("scenario", ["replicas", "replicas-named-namespaces"])
+def test_replicas_elect_one_operator_through_kopf_peering(
+    chart: helm.Chart, handlers_rules: set[Rule], scenario: str
+) -> None:
+    values = SCENARIOS[scenario]
+    namespaces = values.get("watchNamespaces", [])
+    objects = objects_of(render_chart(chart, values))
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == values["replicas"]
+    # A new pod stands by, so the pods may roll; kopf names each in the peering by POD_ID.
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    container = operator_container(objects)
+    assert build_parser().parse_args(container["args"]).peering == RELEASE
+    (pod_id,) = [env for env in container["env"] if env["name"] == "POD_ID"]
+    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The peering object the flag names: cluster-wide, or one in each served namespace.
+    peerings = [o for o in objects if o["apiVersion"] == "kopf.dev/v1"]
+    if namespaces:
+        assert {p["kind"] for p in peerings} == {"KopfPeering"}
+        assert sorted(p["metadata"]["namespace"] for p in peerings) == sorted(namespaces)
+    else:
+        assert [p["kind"] for p in peerings] == ["ClusterKopfPeering"]
+    assert {p["metadata"]["name"] for p in peerings} == {RELEASE}
+    # RBAC: what the operator needs, and kopf's peering besides.
+    needed = handlers_rules | kopf_needs(namespaced=bool(namespaces), peering=True)
+    granted_all = set().union(
+        *(granted(o["rules"]) for o in objects if o["kind"] in ("ClusterRole", "Role"))
+    )
+    assert granted_all == needed
+    for role in by_kind(objects, "Role"):
+        assert granted(role["rules"]) == {r for r in needed if r[1] not in CLUSTER_SCOPED}
 
 
 def assert_bound(objects: list[dict[str, Any]], kind: str, role: dict[str, Any]) -> None:
@@ -677,6 +740,8 @@ BAD_VALUES = {
         "/metrics/serviceMonitor/interval",
     ),
     "bad digest": ({"image": {"digest": "latest"}}, "/image/digest"),
+    "relative host path": ({"hostPaths": {"readOnly": ["models"]}}, "/hostPaths/readOnly/0"),
+    "root as a cache": ({"hostPaths": {"cache": ["/"]}}, "/hostPaths/cache/0"),
 }
 
 

@@ -95,3 +95,43 @@ def test_a_request_past_the_timeout_is_aborted_and_its_blocks_freed(tiny_llama_d
         assert aborted == 2
     finally:
         server.stop()
+
+
+def test_one_tenants_burst_is_refused_at_its_own_limit_and_another_tenant_still_runs(
+    tiny_llama_dir, tmp_path
+):
+    server = start_server(
+        tiny_llama_dir,
+        tmp_path,
+        *("--max-num-seqs", "2", "--cache-salt-header", "x-tenant-id"),
+        *("--max-waiting-per-tenant", "1", "--max-running-per-tenant", "1"),
+        *("--scheduling-policy", "fair"),
+    )
+
+    async def one(client: httpx.AsyncClient, tenant: str, delay: float = 0.0) -> httpx.Response:
+        await asyncio.sleep(delay)
+        headers = {**HEADERS, "x-tenant-id": tenant}
+        return await client.post("/v1/completions", json=completion(200), headers=headers)
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            *burst, quiet = await asyncio.gather(
+                *(one(client, "flood") for _ in range(8)), one(client, "quiet", delay=0.3)
+            )
+            return burst, quiet
+
+    try:
+        burst, quiet = asyncio.run(run())
+        refused = [r for r in burst if r.status_code == 429]
+        assert refused and len(refused) + sum(r.status_code == 200 for r in burst) == 8
+        for response in refused:
+            assert int(response.headers["retry-after"]) >= 1
+            error = response.json()["error"]
+            assert error["type"] == "rate_limit_error"
+            assert "--max-waiting-per-tenant 1" in error["message"]
+        # The queue is not shared: the other tenant's request is admitted and runs in full.
+        assert quiet.status_code == 200
+        assert quiet.json()["usage"]["completion_tokens"] == 200
+        wait_idle(server.base_url)
+    finally:
+        server.stop()

@@ -222,14 +222,37 @@ def test_phased_scheduling_gives_the_same_greedy_tokens(tiny_llama_dir):
         dtype="float32",
         num_gpu_blocks=256,
         max_num_batched_tokens=64,  # phased raises the step capacity to a whole prompt
-        scheduling_policy="phased",
+        step_composition="phased",
     )
     for a, b in zip(
         unified.generate(prompts, params), phased.generate(prompts, params), strict=True
     ):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(ValueError, match="phased"):
-        LLM(model=str(tiny_llama_dir), scheduling_policy="phased", long_prefill_token_threshold=8)
+        LLM(model=str(tiny_llama_dir), step_composition="phased", long_prefill_token_threshold=8)
+
+
+def test_priority_scheduling_gives_the_same_greedy_tokens_and_needs_its_policy(llm, tiny_llama_dir):
+    prompts = [tokens(20 + i, 20 + 5 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ranked = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=1024,
+        num_gpu_blocks=400,
+        scheduling_policy="priority",
+        max_num_seqs=1,  # one at a time, in priority order
+    )
+    outputs = ranked.generate(prompts, params, priority=[3, 2, 1, 0])
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, params)
+    ]
+    assert_nothing_leaked(ranked)
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        llm.generate(prompts[:1], params, priority=[1])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        ranked.generate(prompts[:1], params, priority=[1, 2])
+    assert_nothing_leaked(llm)
 
 
 def test_auto_chunking_gives_the_same_greedy_tokens(tiny_llama_dir):

@@ -141,7 +141,7 @@ def test_waiting_for_grammar_keeps_its_place_while_free_requests_pass():
     assert list(out.num_scheduled_tokens) == ["f"]
     assert out.grammar is None
     assert scheduler.num_waiting_for_grammar == 1
-    assert scheduler.waiting[0].request_id == "c"  # still first in line
+    assert scheduler.waiting.peek().request_id == "c"  # still first in line
     scheduler.update_from_output(out, run_masked(out, scheduler))
     compiler.finish_all()
     results = drive(scheduler)

@@ -286,9 +286,10 @@ def test_operator_image_installs_the_operator_extra_and_no_engine_one() -> None:
         Requirement(spec).name for spec in PYPROJECT["project"]["optional-dependencies"]["engine"]
     }
     assert "torch" in engine
-    # Both serve Prometheus /metrics (the engine's server, the operator's autoscaler); that small
-    # pure-Python client is the one requirement they may share.
-    shared = {"prometheus-client"}
+    # Both serve Prometheus /metrics (the engine's server, the operator's autoscaler), and both
+    # speak CURVE (the engine's KV channels; the operator makes each deployment's key pair):
+    # those two are the requirements they may share.
+    shared = {"prometheus-client", "pyzmq"}
     assert engine & {r.name for r in operator_requirements()} <= shared
 
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from kmock._internal import k8s as kmock_k8s
 from kmock._internal import parsing as kmock_parsing
 from kmock._internal import rendering as kmock_rendering
 
+from tests.operator.faults import Faults, gone_event
 from tidegate.operator.kube import object_path
 
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -57,6 +58,9 @@ _RESOURCES = {
         "kind": "CustomResourceDefinition",
         "namespaced": False,
     },
+    # kopf's peering objects, for operators that run with --peering (tidegate operator).
+    "kopf.dev/v1/clusterkopfpeerings": {"kind": "ClusterKopfPeering", "namespaced": False},
+    "kopf.dev/v1/kopfpeerings": {"kind": "KopfPeering", "namespaced": True},
     "tidegate.dev/v1alpha1/llmdeployments": {
         "kind": "LLMDeployment",
         "namespaced": True,
@@ -110,15 +114,17 @@ kmock_dsl.View.__contains__ = _sees_request(kmock_dsl.View.__contains__)  # type
 
 
 class _Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator, less some resources: a cluster without their CRDs.
+    """kmock's emulator, less some resources (a cluster without their CRDs), with faults.
 
     kmock stores an object of any resource it is sent; kube-apiserver answers 404 to every
-    request for a resource it does not serve, and discovery does not list it.
+    request for a resource it does not serve, and discovery does not list it. The armed
+    `faults` (tests/operator/faults.py) act before kmock stores anything.
     """
 
-    def __init__(self, missing: frozenset[str]) -> None:
+    def __init__(self, missing: frozenset[str], faults: Faults) -> None:
         super().__init__()
         self.missing = missing
+        self.faults = faults
 
     async def _handle(self, request: Any) -> Any:
         resource = request.resource
@@ -126,7 +132,20 @@ class _Emulator(kmock.KubernetesEmulator):
             key = "/".join(part for part in (resource.group, resource.version) if part)
             if f"{key}/{resource.plural}" in self.missing:
                 raise kmock_k8s.KubernetesResourceNotFoundError()
+            if request.action != kmock.action.WATCH:
+                await self.faults.before(request)
         return await super()._handle(request)
+
+    async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
+        # Asked at each change rather than when the stream opens: kopf's streams stay open.
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and event.get("type") in ("MODIFIED", "DELETED"):
+                cut = self.faults.on_watch(request)
+                if cut is not None:
+                    if cut == "gone":
+                        yield gone_event()
+                    return
+            yield event
 
 
 class EmulatedCluster:
@@ -137,6 +156,8 @@ class EmulatedCluster:
 
     def __init__(self, workdir: Path, missing: frozenset[str] = frozenset()) -> None:
         self.missing = missing
+        self.faults = Faults()
+        self.workdir = workdir
         self.kubeconfig = workdir / "kubeconfig"
         self.emulator: Any = None
         self.url = ""
@@ -151,24 +172,33 @@ class EmulatedCluster:
         self._thread.start()
         if not self._ready.wait(30) or self._error is not None:
             raise RuntimeError(f"emulator did not start: {self._error!r}")
-        self.kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "emulator",
-                    "contexts": [
-                        {"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}
-                    ],
-                    "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-                    "users": [{"name": "tester", "user": {"token": "emulated"}}],
-                }
-            )
-        )
+        self.kubeconfig.write_text(self._kubeconfig("emulated"))
         self.http = httpx.Client(base_url=self.url, timeout=10)
         return self
 
+    def _kubeconfig(self, token: str) -> str:
+        return yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "contexts": [
+                    {"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}
+                ],
+                "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                "users": [{"name": "tester", "user": {"token": token}}],
+            }
+        )
+
+    def kubeconfig_for(self, token: str) -> Path:
+        """A kubeconfig that logs in with `token`, which tells one operator's requests from
+        another's (`writes(token=...)`, the faults' `token`)."""
+        path = self.workdir / f"kubeconfig-{token}"
+        path.write_text(self._kubeconfig(token))
+        return path
+
     def __exit__(self, *exc: object) -> None:
+        self.faults.clear()
         if self.http is not None:
             self.http.close()
         if self._loop is not None and self._stop is not None:
@@ -185,7 +215,10 @@ class EmulatedCluster:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with _Emulator(self.missing) as emulator, kmock.Server(emulator) as server:
+        async with (
+            _Emulator(self.missing, self.faults) as emulator,
+            kmock.Server(emulator) as server,
+        ):
             for key, info in _RESOURCES.items():
                 if key not in self.missing:
                     emulator.resources[key] = kmock.ResourceInfo(verbs=_VERBS, **info)
@@ -243,14 +276,19 @@ class EmulatedCluster:
 
     # -- what the operator did ------------------------------------------------------------
 
-    def writes(self, *, since: int = 0, include_events: bool = False) -> list[str]:
-        """`METHOD path` of every write request from the operator (ours excluded) since `since`."""
+    def writes(
+        self, *, since: int = 0, include_events: bool = False, token: str | None = None
+    ) -> list[str]:
+        """`METHOD path` of every write request from the operator (ours excluded) since `since`;
+        with `token`, only those of the operator logged in with it (`kubeconfig_for`)."""
         out = []
         for request in list(self.emulator)[since:]:
             if str(request.method).upper().split(".")[-1] not in WRITE_METHODS:
                 continue
             if request.headers.get("User-Agent", "").startswith("python-httpx"):
                 continue  # the test's own writes
+            if token is not None and request.headers.get("Authorization") != f"Bearer {token}":
+                continue
             path = str(request.url.path) if hasattr(request, "url") else str(request.path)
             if "/events" in path and not include_events:
                 continue

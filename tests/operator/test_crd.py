@@ -42,6 +42,7 @@ from tidegate.operator.spec import (
     INFERENCE_POOL_NEEDS_ROUTER,
     KEDA_NEEDS_PROMETHEUS,
     KIND,
+    KV_ENCRYPTION_DISAGGREGATED_ONLY,
     LORA_NEEDS_ADAPTERS,
     PLURAL,
     UNIFIED_ROUTER_NEEDS_ZERO,
@@ -401,6 +402,18 @@ INVALID = [
         },
         f'spec: Invalid value: "object": {ZERO_NEEDS_ROUTER}',
         f"spec: {ZERO_NEEDS_ROUTER}",
+    ),
+    _row(
+        "kv-encryption-in-unified-mode",
+        {"topology": {"mode": "unified", "kvEncryption": "curve"}},
+        f'spec.topology: Invalid value: "object": {KV_ENCRYPTION_DISAGGREGATED_ONLY}',
+        f"spec.topology: {KV_ENCRYPTION_DISAGGREGATED_ONLY}",
+    ),
+    _row(
+        "kv-encryption-unknown",
+        {"topology": {**DISAGGREGATED, "kvEncryption": "tls"}},
+        'spec.topology.kvEncryption: Unsupported value: "tls": supported values: "curve", "none"',
+        "spec.topology.kvEncryption: Input should be 'curve' or 'none'",
     ),
     _row(
         "disaggregated-with-unified",

@@ -16,6 +16,7 @@ from tidegate.engine.config import EngineArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
 from tidegate.engine.kv_transfer.zmq_scheduler import ZmqConnectorScheduler
 from tidegate.engine.kv_transfer.zmq_worker import ZmqConnectorWorker
+from tidegate.operator.kv_keys import write_key_dir
 from tidegate.operator.labels import COMPONENT_LABEL
 from tidegate.operator.render import render
 from tidegate.operator.spec import API_VERSION, KIND
@@ -48,6 +49,10 @@ def prefill_pod(dp: int, tp: int, tmp_path: Path) -> tuple[EngineArgs, set[int]]
     path.write_text(config_map["data"]["prefill.yaml"], encoding="utf-8")
     values = load_config_file(str(path), [EngineArgs, ServerArgs])
     args = EngineArgs(**{k: v for k, v in values.items() if k in EngineArgs.model_fields})
+    if args.kv_curve_key_dir is not None:
+        # The pod reads the key pair from its Secret; here, a pair made the way `tidegate up` does.
+        write_key_dir(tmp_path / "kv-curve")
+        args = args.model_copy(update={"kv_curve_key_dir": str(tmp_path / "kv-curve")})
     (deployment,) = [
         o
         for o in rendered.objects

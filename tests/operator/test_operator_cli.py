@@ -97,6 +97,9 @@ def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(tmp_pa
                 str(metrics_port),
                 "--autoscale-period",
                 "5",
+                # The example's model is a node folder: allowed here, as an admin would.
+                "--allowed-host-path",
+                "/models",
             ],
             env=env,
             stdout=subprocess.PIPE,

@@ -28,6 +28,7 @@ from tests.operator.crd_validation import CRDValidator, load_crd, version_schema
 from tidegate.engine.config import EngineArgs, RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.args import load_config_file
 from tidegate.operator.kube import OWNED_KINDS
+from tidegate.operator.kv_keys import key_secret
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.plan import write_table
 from tidegate.operator.render import (
@@ -935,6 +936,57 @@ def test_prefill_pods_expose_the_kv_transport_port() -> None:
     assert {"name": "kv", "containerPort": kv_port} in prefill_ports
 
 
+KV_CURVE_MOUNT = {"name": "kv-curve", "mountPath": "/var/run/secrets/kv-curve", "readOnly": True}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("encryption", ["curve", None])
+def test_both_pools_mount_the_kv_key_pair_and_encrypt_by_default(
+    encryption: str | None, version: str
+) -> None:
+    spec = copy.deepcopy(TABLE["disaggregated-gpu-uri-auth"])
+    if encryption:
+        spec["topology"]["kvEncryption"] = encryption
+    rendered = render_spec(spec)
+    assert rendered.kv_keys is not None
+    assert rendered.kv_keys["metadata"]["name"] == "llm-kv-curve"
+    assert rendered.kv_keys["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert_valid([key_secret(rendered.kv_keys)], version)
+    for role in ("prefill", "decode"):
+        pool = find(rendered, "Deployment", f"llm-{role}")
+        assert volume(pool, "kv-curve")["secret"] == {
+            "secretName": "llm-kv-curve",
+            "defaultMode": 0o440,
+        }
+        # The whole Secret, read-only, no subPath; the fetch of the model needs no key.
+        assert mount(main_container(pool), "/var/run/secrets/kv-curve") == KV_CURVE_MOUNT
+        for init in pod_spec(pool).get("initContainers", []):
+            assert KV_CURVE_MOUNT not in init["volumeMounts"]
+        config = role_config(rendered, role)
+        assert config["kv-encryption"] == "curve"
+        assert config["kv-curve-key-dir"] == "/var/run/secrets/kv-curve"
+    router = find(rendered, "Deployment", "llm-router")
+    assert all(v["name"] != "kv-curve" for v in pod_spec(router)["volumes"])
+    assert "kv-encryption" not in role_config(rendered, "router")
+
+
+def test_kv_encryption_none_is_plain_tcp_and_switching_rolls_both_pools() -> None:
+    curve = {"model": model(), "topology": disaggregated()}
+    plain = {"model": model(), "topology": disaggregated(kvEncryption="none")}
+    rendered = render_spec(plain)
+    assert rendered.kv_keys is None
+    for role in ("prefill", "decode"):
+        pool = find(rendered, "Deployment", f"llm-{role}")
+        assert all(v["name"] != "kv-curve" for v in pod_spec(pool)["volumes"])
+        config = role_config(rendered, role)
+        assert config["kv-encryption"] == "none" and "kv-curve-key-dir" not in config
+    assert "topology.kvEncryption none" in config_map(rendered)["data"]["prefill.yaml"]
+    before, after = hashes(curve), hashes(plain)
+    rolled = {name for name in before if before[name] != after[name]}
+    assert rolled == {"llm-prefill", "llm-decode"}
+    assert render_spec({"model": model()}).kv_keys is None  # unified: no KV crosses pods
+
+
 def test_router_config_names_the_prefill_and_decode_services(tmp_path: Path) -> None:
     rendered = render_spec({"model": model(), "topology": disaggregated()}, namespace="team-a")
     path = tmp_path / "router.yaml"
@@ -1276,7 +1328,8 @@ def test_api_key_is_a_file_from_its_secret_and_nowhere_else(case: str) -> None:
         if container["name"] == "fetch-model":
             assert mount not in container["volumeMounts"]  # the fetch needs no API key
             continue
-        assert mount in container["volumeMounts"]
+        # The folder itself: a subPath mount never sees a rotated Secret.
+        assert [m for m in container["volumeMounts"] if m["name"] == "api-key"] == [mount]
         assert env_named(container, "TIDEGATE_API_KEY") is None
         assert not any("api-key" in arg or "api_key" in arg for arg in container["args"])
     for text in config_map(rendered)["data"].values():

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import yaml
 
+from tidegate.engine.kv_transfer.zmq_curve import load_curve_keys
 from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.up import (
     UpError,
@@ -104,6 +105,25 @@ def test_the_api_key_secret_is_a_private_local_file_from_the_environment(
         config = Path(flag(pod.command, "--config")[0]).read_text()
         assert f"api-key-file: {key_file}" in config
         assert "sk-local" not in config and "sk-local" not in " ".join(pod.command)
+
+
+def test_the_kv_key_pair_is_made_here_once_and_private(tmp_path: Path) -> None:
+    """The Secret a cluster would mount: both pools read one pair of this machine's."""
+    pods = plan_pods(example("disaggregated-tiny.yaml"), Path("/m"), 9000, tmp_path / "up")
+    key_dir = tmp_path / "up" / "secrets" / "kv-curve"
+    keys = load_curve_keys(str(key_dir))
+    assert key_dir.stat().st_mode & 0o777 == 0o700
+    assert key_dir.parent.stat().st_mode & 0o777 == 0o700
+    for pod in pods[:2]:
+        config = yaml.safe_load(Path(flag(pod.command, "--config")[0]).read_text())
+        assert config["kv-encryption"] == "curve"
+        assert config["kv-curve-key-dir"] == str(key_dir)
+    plan_pods(example("disaggregated-tiny.yaml"), Path("/m"), 9000, tmp_path / "up")
+    assert load_curve_keys(str(key_dir)) == keys  # a restarted up keeps the pair
+    plain = copy.deepcopy(example("disaggregated-tiny.yaml"))
+    plain["spec"]["topology"]["kvEncryption"] = "none"
+    plan_pods(plain, Path("/m"), 9000, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "secrets").exists()
 
 
 def test_one_unified_replica_serves_the_public_port_itself(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.router.fake_engine import FakeEngine, ServerThread
 from tidegate.engine.config import RouterArgs
-from tidegate.engine.entrypoints.openai.auth import load_api_key
+from tidegate.engine.entrypoints.openai.auth import load_api_keys
 from tidegate.engine.router.app import build_app
 
 
@@ -87,8 +87,8 @@ def router() -> Iterator[Callable[..., Router]]:
     def start(prefill: list[str], decode: list[str], **flags: Any) -> Router:
         flags.setdefault("health_interval", 0.2)
         args = RouterArgs(prefill=prefill, decode=decode, host="127.0.0.1", **flags)
-        api_key = load_api_key(args, environ={})
-        server = ServerThread(build_app(args, api_key), lifespan="on").start()
+        api_keys = load_api_keys(args, environ={})
+        server = ServerThread(build_app(args, api_keys), lifespan="on").start()
         client = httpx.Client(base_url=server.url, timeout=10.0)
         started.append(Router(server, client))
         return started[-1]

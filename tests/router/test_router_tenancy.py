@@ -6,7 +6,10 @@ import logging
 
 import pytest
 
+from tests.engine.entrypoints.secret_volume import SecretVolume
+from tests.router.conftest import wait_until
 from tests.router.test_router_proxy import COMPLETION
+from tidegate.engine.entrypoints.openai.auth import KEY_FILE_POLL_S
 
 KEY = "sk-router-secret"
 
@@ -55,6 +58,35 @@ def test_the_right_key_passes_and_reaches_both_legs(keyed):
     for engine in (prefill.engine, decode.engine):
         [leg] = engine.received
         assert leg.headers["authorization"] == f"Bearer {KEY}"
+
+
+def test_a_rotated_key_file_is_followed_without_a_restart(backend, router, tmp_path):
+    volume = SecretVolume(tmp_path)
+    volume.write("sk-old\n")
+    prefill, decode = backend("prefill"), backend("decode")
+    proxy = router([prefill.url], [decode.url], api_key_file=str(volume.path))
+
+    passed = []
+
+    def status(key: str) -> int:
+        headers = {"Authorization": f"Bearer {key}"}
+        code = proxy.client.post("/v1/completions", json=COMPLETION, headers=headers).status_code
+        if code == 200:
+            passed.append(key)
+        return code
+
+    assert status("sk-old") == 200 and status("sk-new") == 401
+    volume.write("sk-old\nsk-new\n")
+    wait_until(lambda: status("sk-new") == 200, KEY_FILE_POLL_S + 2.0, "the new key")
+    assert status("sk-old") == 200
+    volume.write("sk-new\n")
+    wait_until(lambda: status("sk-old") == 401, KEY_FILE_POLL_S + 2.0, "the old key refused")
+    assert status("sk-new") == 200
+    # The fake engines check no key: each 401 was the router's own, and no leg started for it.
+    for engine in (prefill.engine, decode.engine):
+        assert [leg.headers["authorization"] for leg in engine.received] == [
+            f"Bearer {key}" for key in passed
+        ]
 
 
 def test_probes_and_metrics_need_no_key_and_never_show_it(keyed):

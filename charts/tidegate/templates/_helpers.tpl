@@ -121,14 +121,26 @@ operator's code and compares.
 - apiGroups: ["apps"]
   resources: ["replicasets"]
   verbs: ["list"]
+# Disaggregated: the Secret <name>-kv-curve with the key pair that encrypts the KV transfer,
+# created once. Never read: 409 says it exists, and the operator keeps it as it is.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # kopf posts warnings and errors about a resource, and the autoscaler its Scaled events, as
 # core/v1 Events.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
+# Several operator pods serving named namespaces: kopf watches the KopfPeering of each and
+# writes its keep-alive there.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
 {{- end }}
 
-{{/* Cluster-scoped RBAC rules: kopf's discovery of CRDs (and of namespaces when it serves named ones). */}}
+{{/* Cluster-scoped RBAC rules: kopf's discovery of CRDs (and of namespaces when it serves named ones), and the ClusterKopfPeering of several pods serving every namespace. */}}
 {{- define "tidegate.clusterRules" -}}
 # kopf watches CRDs to notice when LLMDeployment is installed, upgraded or removed.
 - apiGroups: ["apiextensions.k8s.io"]
@@ -140,6 +152,12 @@ operator's code and compares.
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+{{- else if gt (int .Values.replicas) 1 }}
+# Several operator pods serving every namespace: kopf watches their ClusterKopfPeering and
+# writes its keep-alive there.
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch", "patch"]
 {{- end }}
 {{- end }}
 

@@ -11,7 +11,13 @@ from fastapi import FastAPI
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import PlainTextResponse, Response
 
-from tidegate.engine.entrypoints.openai.auth import APIKeyMiddleware, tenant_cache_salt
+from tidegate.engine.entrypoints.openai.auth import (
+    APIKeyMiddleware,
+    APIKeys,
+    as_api_keys,
+    following_key_file,
+    tenant_cache_salt,
+)
 from tidegate.engine.entrypoints.openai.drain import DrainMiddleware
 from tidegate.engine.entrypoints.openai.engine_client import EngineClient, MetricsRenderer
 from tidegate.engine.entrypoints.openai.errors import install_error_handlers, model_not_found
@@ -46,6 +52,7 @@ from tidegate.engine.entrypoints.openai.serving_chat import ChatServing
 from tidegate.engine.entrypoints.openai.serving_completion import CompletionServing
 from tidegate.engine.entrypoints.openai.serving_lora import LoRAServing
 from tidegate.engine.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from tidegate.engine.entrypoints.openai.tenants import request_tenant
 from tidegate.engine.errors import EngineDeadError
 from tidegate.engine.http_server import Drain
 from tidegate.engine.messages import LoRARequest
@@ -67,7 +74,7 @@ def build_app(
     *,
     served_model_names: list[str],
     model_path: str,
-    api_key: str | None = None,
+    api_key: APIKeys | str | None = None,
     metrics: MetricsRenderer | None = None,
     cache_salt_header: str | None = None,
     drain: Drain | None = None,
@@ -80,7 +87,11 @@ def build_app(
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
+        With `api_key` (one key, or APIKeys, which follow their file while the lifespan runs),
+        every route but the probes, /metrics and /version needs a key.
         With `cache_salt_header`, each request's cache_salt is its tenant's, from that header.
+        The engine counts each request against its tenant (tenants.py): that header's value,
+        else its API key's digest, else the anonymous tenant.
         With `drain`, it counts requests in flight for it and refuses new ones once it starts.
         With `loras`, a request's `model` may name one of its adapters; with
         `allow_runtime_lora_updates` (which needs `api_key`) adapters load and unload over HTTP.
@@ -92,7 +103,8 @@ def build_app(
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
-    if allow_runtime_lora_updates and (loras is None or not api_key):
+    keys = as_api_keys(api_key)
+    if allow_runtime_lora_updates and (loras is None or keys is None):
         raise ValueError(
             "runtime LoRA updates need enable_lora and an API key: the routes read server paths"
         )
@@ -110,13 +122,13 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with prefill.running():
+        async with prefill.running(), following_key_file(keys):
             yield
 
     app = FastAPI(title="Tidegate", version=_version(), lifespan=lifespan)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=OPEN_PATHS)
     if drain is not None:
         # Outermost: a request that comes while draining is refused before anything else.
         app.add_middleware(DrainMiddleware, drain=drain)
@@ -138,6 +150,9 @@ def build_app(
     def salt(body: CompletionRequest | ChatCompletionRequest, request: HTTPRequest) -> None:
         if cache_salt_header is not None:
             body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
+
+    def tenant(request: HTTPRequest) -> str | None:
+        return request_tenant(request.headers, cache_salt_header, keyed=keys is not None)
 
     def check_alive() -> None:
         if engine.is_dead:
@@ -168,7 +183,7 @@ def build_app(
         refused = await prefill.prefill(COMPLETIONS_PATH, body, request)
         if refused is not None:
             return refused
-        return await completions.create(body, request, lora)
+        return await completions.create(body, request, lora, tenant(request))
 
     @app.post(
         CHAT_PATH,
@@ -181,7 +196,7 @@ def build_app(
         refused = await prefill.prefill(CHAT_PATH, body, request)
         if refused is not None:
             return refused
-        return await chat.create(body, request, lora)
+        return await chat.create(body, request, lora, tenant(request))
 
     @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:
@@ -244,5 +259,5 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    complete_document(app, api_key=bool(api_key), open_paths=OPEN_PATHS)
+    complete_document(app, api_key=keys is not None, open_paths=OPEN_PATHS)
     return app

@@ -55,6 +55,8 @@ def build_sub_requests(
     cache_salt: str | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     lora_request: LoRARequest | None = None,
+    tenant: str | None = None,
+    priority: int = 0,
 ) -> list[SubRequest]:
     """Check every prompt x choice (raising ValueError) before anything reaches the engine.
 
@@ -82,6 +84,8 @@ def build_sub_requests(
                 cache_salt,
                 kv_transfer,
                 lora_request,
+                tenant,
+                priority,
             )
             text = prompt if isinstance(prompt, str) else None
             subs.append(SubRequest(prompt_index * n + choice, request, text))

@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tidegate.engine.entrypoints.openai.request_body import FieldError, RequestBody
+from tidegate.engine.entrypoints.openai.request_body import (
+    FieldError,
+    RequestBody,
+    null_is_default,
+)
 from tidegate.engine.entrypoints.openai.structured_outputs import ConstrainedRequest
 from tidegate.engine.entrypoints.openai.tools import (
     ChatTool,
@@ -52,10 +56,14 @@ class StreamOptions(RequestBody):
 
 
 class SamplingRequest(ConstrainedRequest):
-    """The fields completions and chat share; they become one SamplingParams."""
+    """The fields completions and chat share; they become one SamplingParams.
+
+    Every field OpenAI's API reference marks nullable takes null: the optional ones here mean
+    "not set" by None already; `null_is_default` reads null as the default for the others.
+    """
 
     model: str
-    n: int = 1
+    n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -70,13 +78,19 @@ class SamplingRequest(ConstrainedRequest):
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Any = None  # accepted, unused
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     # Disaggregated serving (set by `tidegate router`): see tidegate.engine.kv_transfer.params.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's field: lower is admitted first under --scheduling-policy priority; any other
+    # value than 0 is refused by a server with another policy. Bounded to what crosses to
+    # the engine core (a 64-bit integer).
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+    _null_n_stream = null_is_default("n", "stream")
 
     @field_validator("n")
     @classmethod
@@ -139,17 +153,21 @@ def _check_prompt(prompt: Any) -> Any:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Required, and nullable as in OpenAI's reference: null is the empty prompt, from which
+    # the model starts a new document (after its BOS token; a model without one refuses it).
+    prompt: str | list[str] | list[int] | list[list[int]] | None
     max_tokens: int | None = 16  # OpenAI's default; null means up to the context limit
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+
+    _null_echo = null_is_default("echo")
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        return _check_prompt(prompt)
+        return "" if prompt is None else _check_prompt(prompt)
 
     @field_validator("echo")
     @classmethod
@@ -238,7 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context limit
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = None
     # None: "auto" with tools, "none" without (as OpenAI).
@@ -246,6 +264,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # deprecated by OpenAI; refused, naming tools
     function_call: Any = None  # deprecated by OpenAI; refused, naming tool_choice
+
+    _null_logprobs = null_is_default("logprobs")
 
     @field_validator("top_logprobs")
     @classmethod

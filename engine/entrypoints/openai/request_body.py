@@ -40,6 +40,22 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
     return None
 
 
+def null_is_default(*fields: str) -> Any:
+    """A validator that reads null in `fields` as each one's default.
+
+    OpenAI's API reference marks these fields nullable, and clients send null for "not set".
+    Their annotations include None, so that the OpenAPI document allows null, but a validated
+    body holds the default instead.
+    """
+
+    def default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
+
+    return field_validator(*fields, mode="before")(classmethod(default))
+
+
 class RequestBody(BaseModel):
     """A request body or a part of one."""
 

@@ -94,6 +94,7 @@ class ChatServing:
         body: ChatCompletionRequest,
         http_request: HTTPRequest,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> Response:
         """Render, validate every choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("chatcmpl", http_request)
@@ -112,6 +113,8 @@ class ChatServing:
             body.cache_salt,
             body.kv_transfer_params,
             lora_request,
+            tenant,
+            body.priority,
         )
         created = int(time.time())
         if body.stream:

@@ -44,6 +44,7 @@ class CompletionServing:
         body: CompletionRequest,
         http_request: HTTPRequest,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> Response:
         """Validate every prompt x choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("cmpl", http_request)
@@ -57,6 +58,8 @@ class CompletionServing:
             body.cache_salt,
             body.kv_transfer_params,
             lora_request,
+            tenant,
+            body.priority,
         )
         header = CompletionResponse(
             id=request_id, created=int(time.time()), model=body.model, choices=[]

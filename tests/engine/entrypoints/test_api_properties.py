@@ -95,7 +95,8 @@ def test_every_request_gets_a_2xx_or_an_openai_4xx(app, path):
         if response.status_code == 200 and not stream:
             prompts = body["prompt"] if path == COMPLETIONS else [None]
             many = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
-            assert len(choices) == int(body.get("n", 1)) * (len(prompts) if many else 1)
+            n = body.get("n")
+            assert len(choices) == int(1 if n is None else n) * (len(prompts) if many else 1)
 
     run()
     # The bodies reach the engine often enough, streamed or not, to test the answers too.

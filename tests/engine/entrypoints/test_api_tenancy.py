@@ -1,4 +1,4 @@
-"""Where the API key comes from, and whose cache_salt a request carries."""
+"""Where the API keys come from, and whose cache_salt a request carries."""
 
 from __future__ import annotations
 
@@ -7,21 +7,33 @@ import pytest
 from tests.engine.entrypoints.fake_engine import MODEL, SyncAPI
 from tidegate.engine.config import RouterArgs, ServerArgs
 from tidegate.engine.entrypoints.openai.api_server import build_app
-from tidegate.engine.entrypoints.openai.auth import load_api_key
+from tidegate.engine.entrypoints.openai.auth import APIKeys, load_api_keys
+
+
+def only(keys: APIKeys | None, *valid: str) -> bool:
+    """Whether `keys` accept exactly `valid` of the keys these tests use."""
+    tried = ("sk-flag", "sk-from-file", "sk-second", "sk-from-env")
+    return keys is not None and all(keys.matches(k.encode()) == (k in valid) for k in tried)
 
 
 def test_the_key_comes_from_the_flag_then_the_file_then_the_environment(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("  sk-from-file\n")  # as a Secret mounted from `kubectl create secret`
     env = {"TIDEGATE_API_KEY": "sk-from-env"}
-    assert load_api_key(ServerArgs(api_key="sk-flag"), env) == "sk-flag"
-    assert load_api_key(ServerArgs(api_key_file=str(key_file)), env) == "sk-from-file"
-    assert load_api_key(RouterArgs(decode=["http://d"], api_key_file=str(key_file)), {}) == (
-        "sk-from-file"
-    )
-    assert load_api_key(ServerArgs(), env) == "sk-from-env"
-    assert load_api_key(ServerArgs(), {}) is None
-    assert load_api_key(ServerArgs(), {"TIDEGATE_API_KEY": ""}) is None
+    assert only(load_api_keys(ServerArgs(api_key="sk-flag"), env), "sk-flag")
+    from_file = load_api_keys(ServerArgs(api_key_file=str(key_file)), env)
+    assert only(from_file, "sk-from-file") and from_file.path == str(key_file)
+    router_args = RouterArgs(decode=["http://d"], api_key_file=str(key_file))
+    assert only(load_api_keys(router_args, {}), "sk-from-file")
+    assert only(load_api_keys(ServerArgs(), env), "sk-from-env")
+    assert load_api_keys(ServerArgs(), {}) is None
+    assert load_api_keys(ServerArgs(), {"TIDEGATE_API_KEY": ""}) is None
+    # Only the file holds several keys, and only the file is followed.
+    key_file.write_text("# rotating: the second goes live on Monday\nsk-from-file\nsk-second\n")
+    both = load_api_keys(ServerArgs(api_key_file=str(key_file)), {})
+    assert only(both, "sk-from-file", "sk-second")
+    assert load_api_keys(ServerArgs(api_key="sk-flag"), {}).path is None
+    assert load_api_keys(ServerArgs(), env).path is None
 
 
 @pytest.mark.parametrize(
@@ -30,15 +42,19 @@ def test_the_key_comes_from_the_flag_then_the_file_then_the_environment(tmp_path
         (dict(api_key="a", api_key_file="/k"), "not both"),
         (dict(api_key=""), "--api-key is empty"),
         (dict(api_key_file="{tmp}/missing"), "cannot read --api-key-file {tmp}/missing"),
-        (dict(api_key_file="{tmp}/empty"), "--api-key-file {tmp}/empty is empty"),
+        (dict(api_key_file="{tmp}/empty"), "--api-key-file {tmp}/empty holds no key"),
+        (dict(api_key_file="{tmp}/comments"), "--api-key-file {tmp}/comments holds no key"),
+        (dict(api_key_file="{tmp}/binary"), "--api-key-file {tmp}/binary is not UTF-8 text"),
     ],
-    ids=["both", "empty-flag", "missing-file", "empty-file"],
+    ids=["both", "empty-flag", "missing-file", "empty-file", "only-comments", "not-utf-8"],
 )
 def test_a_key_that_cannot_be_used_is_refused_with_the_reason(tmp_path, args, words):
     (tmp_path / "empty").write_text("\n")
+    (tmp_path / "comments").write_text("# the key goes here\n\n")
+    (tmp_path / "binary").write_bytes(b"sk-\xff\n")
     values = {k: v.format(tmp=tmp_path) for k, v in args.items()}
     with pytest.raises(ValueError) as caught:
-        load_api_key(ServerArgs(**values), {})
+        load_api_keys(ServerArgs(**values), {})
     assert words.format(tmp=tmp_path) in str(caught.value)
 
 
