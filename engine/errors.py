@@ -7,6 +7,11 @@ class EngineDeadError(RuntimeError):
     """An engine core or worker process died; no request can complete and the server exits."""
 
 
+def worker_failed(rank: int, error: str) -> str:
+    """What a worker's WorkerFailure (its rank, its traceback) says once it reaches the leader."""
+    return f"worker rank {rank} failed:\n{error}"
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (--max-waiting-requests); the client should retry later."""
 

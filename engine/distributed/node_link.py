@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tidegate.engine.config import EngineArgs
-from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.errors import EngineDeadError, worker_failed
 from tidegate.engine.messages import (
     NodeHello,
     NodeStart,
@@ -193,7 +193,7 @@ class NodeLinks:
                 check()
                 continue
             if isinstance(reply, WorkerFailure):
-                raise EngineDeadError(f"worker rank {reply.rank} failed:\n{reply.error}")
+                raise EngineDeadError(worker_failed(reply.rank, reply.error))
             return reply
 
     def close(self) -> None:
@@ -249,7 +249,7 @@ class NodeLinks:
             return
         reply = self._decoder.decode(payload)
         if isinstance(reply, WorkerFailure):
-            self._give_up(node_rank, f"worker rank {reply.rank} failed:\n{reply.error}")
+            self._give_up(node_rank, worker_failed(reply.rank, reply.error))
         rank = self.output_rank if isinstance(reply, WorkerResult) else reply.rank
         self._replies[rank].put(reply)
 

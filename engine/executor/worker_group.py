@@ -17,7 +17,7 @@ import msgspec
 
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.distributed.shm_broadcast import ShmBroadcastQueue
-from tidegate.engine.errors import EngineDeadError
+from tidegate.engine.errors import EngineDeadError, worker_failed
 from tidegate.engine.messages import KVWorkerConfig, WorkerFailure, WorkerReply
 from tidegate.engine.worker.worker_proc import run_worker
 
@@ -123,7 +123,7 @@ class WorkerGroup:
         """The next reply of one rank, decoded; a failure or a death raises instead."""
         reply = self._decoder.decode(self.receive_bytes(rank, check))
         if isinstance(reply, WorkerFailure):
-            raise EngineDeadError(f"worker rank {reply.rank} failed:\n{reply.error}")
+            raise EngineDeadError(worker_failed(reply.rank, reply.error))
         return reply
 
     def describe(self) -> str:
