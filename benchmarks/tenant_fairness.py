@@ -10,6 +10,12 @@ aborted). Each server first serves a warm-up batch of the same shape. Reported: 
 each run, what A got through, and the target: B's TTFT p99 with fair within 1.5x of B alone.
 
     python benchmarks/tenant_fairness.py          # writes results/tenant_fairness.json
+    python benchmarks/tenant_fairness.py --max-num-batched-tokens 512
+                                                  # results/tenant_fairness_step512.json
+
+B's first token waits out the step running when it arrives. Under A's flood that step may
+admit several of A's prompts at once (the default budget is 2048 tokens), so a smaller step
+budget, the same for every run, bounds what B waits for.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class Scenario:
     output_len: tuple[int, int]
     max_num_seqs: int
     warm_up_s: float  # A floods alone this long before B starts
+    # A step's token budget; None: the engine's default (2048). A step that admits several
+    # of A's prompts at once is the one B's request may arrive during, and waits out.
+    max_num_batched_tokens: int | None = None
 
     def flags(self, policy: str, cap: float | None = None) -> list[str]:
         flags = [
@@ -66,16 +75,18 @@ class Scenario:
             *("--max-num-seqs", str(self.max_num_seqs)),
             *("--scheduling-policy", policy),
         ]
+        if self.max_num_batched_tokens is not None:
+            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if cap is not None:
             flags += ["--max-running-per-tenant", str(int(self.max_num_seqs * cap))]
         return flags
 
 
-def scenario(smoke: bool) -> Scenario:
+def scenario(smoke: bool, max_num_batched_tokens: int | None = None) -> Scenario:
     if smoke:
-        return Scenario("tiny", 6, 4.0, 64, (4, 12), 8, 0.5)
+        return Scenario("tiny", 6, 4.0, 64, (4, 12), 8, 0.5, max_num_batched_tokens)
     # The small model: on CPU its steps, not the API server, bound what A gets through.
-    return Scenario("small", 24, 1.5, 256, (16, 48), 16, 2.0)
+    return Scenario("small", 40, 1.5, 256, (16, 48), 16, 2.0, max_num_batched_tokens)
 
 
 def _load(base_url: str, s: Scenario, tenant: str, count: int, rate: float, seed: int, **kw):
@@ -140,8 +151,16 @@ def tenants_run(base_url: str, s: Scenario, flood: bool) -> tuple[list, list[flo
 
 
 def main() -> None:
-    args = scenario_parser(__doc__).parse_args()
-    s = scenario(args.smoke)
+    parser = scenario_parser(__doc__)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="every server's step budget (default: the engine's)",
+    )
+    args = parser.parse_args()
+    budget = args.max_num_batched_tokens
+    s = scenario(args.smoke, budget)
     model = model_dir(s.size)
     load_at_start = round(os.getloadavg()[0], 2)
     results = {}
@@ -162,14 +181,17 @@ def main() -> None:
         print(f"{label:28s} B TTFT {b['ttft_ms']}  A completed {len(a_ttfts)}", flush=True)
     targets = _targets(results)
     record = {
-        "command": "python benchmarks/tenant_fairness.py" + (" --smoke" if args.smoke else ""),
+        "command": "python benchmarks/tenant_fairness.py"
+        + (" --smoke" if args.smoke else "")
+        + (f" --max-num-batched-tokens {budget}" if budget else ""),
         "machine": {**machine(), "load_average_1m_at_start": load_at_start},
         "model": s.size,
         "scenario": {**asdict(s), "a_rate": s.b_rate * FLOOD_FACTOR},
         "targets": targets,
         "results": results,
     }
-    write_result("tenant_fairness", record, args.out_dir)
+    name = "tenant_fairness" + (f"_step{budget}" if budget else "")
+    write_result(name, record, args.out_dir)
     rows = [
         [
             label,
@@ -182,10 +204,12 @@ def main() -> None:
     ]
     update_readme(
         args.readme,
-        "tenant-fairness",
-        f"### tenant-fairness ({s.size} model, B at {s.b_rate:g} req/s, A at "
+        name.replace("_", "-"),
+        f"### {name.replace('_', '-')} ({s.size} model, B at {s.b_rate:g} req/s, A at "
         f"{s.b_rate * FLOOD_FACTOR:g} req/s, {s.prompt_len}-token prompts, "
-        f"{s.output_len[0]}-{s.output_len[1]} tokens out, --max-num-seqs {s.max_num_seqs})\n\n"
+        f"{s.output_len[0]}-{s.output_len[1]} tokens out, --max-num-seqs {s.max_num_seqs}"
+        + (f", --max-num-batched-tokens {budget}" if budget else "")
+        + ")\n\n"
         + table(["run", "B TTFT p50 (ms)", "B TTFT p99 (ms)", "p99 / B alone", "A completed"], rows)
         + "\n\n"
         + "\n".join(f"- {name}: **{value}**" for name, value in targets.items()),

@@ -74,7 +74,9 @@ class EngineArgs(BaseModel):
         description="Which waiting request is admitted first (vLLM's flag). fcfs: first come, "
         "first served. priority: lowest request priority first, ties by arrival; under memory "
         "pressure the lowest priority is preempted first. fair: tenants with requests waiting "
-        "share the step's tokens equally (deficit round robin), whatever their arrival rates.",
+        "share the step's tokens equally (deficit round robin), whatever their arrival rates, "
+        "and each tenant with work is owed an even share of max_num_seqs: one below its share "
+        "starts first and, when no slot is free, takes one back from a tenant above its share.",
     )
     max_running_per_tenant: int | None = Field(
         None,

@@ -311,6 +311,7 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         "block_size": spec.scheduling.block_size,
         "max_num_seqs": spec.scheduling.max_num_seqs,
         "enable_prefix_caching": spec.scheduling.enable_prefix_caching,
+        "scheduling_policy": spec.scheduling.policy,
         "shutdown_timeout": float(SHUTDOWN_TIMEOUT_S),
         # Also vLLM's `vllm:` names: what the Gateway API Inference Extension's pickers and
         # vLLM dashboards read.
@@ -432,6 +433,9 @@ def _router_config(ctx: _Context) -> str:
         "port": ENGINE_PORT,
         **_tenancy_values(ctx.spec),
     }
+    if "max_running_per_tenant" not in values or "max_waiting_per_tenant" not in values:
+        values.pop("max_running_per_tenant", None)
+        values.pop("max_waiting_per_tenant", None)
     reasons: dict[str, str] = {}
     if ctx.kv_events:
         values["kv_events_port"] = KV_EVENTS_PORT
@@ -453,12 +457,18 @@ def _router_config(ctx: _Context) -> str:
 
 
 def _tenancy_values(spec: LLMDeploymentSpec) -> dict[str, Any]:
-    """The key file and the tenant header: every engine and the router check the same."""
+    """The key file, the tenant header and the per-tenant limits: every engine and the
+    router check the same (the router counts a tenant's requests in flight only with both
+    limits, as their sum per engine)."""
     values: dict[str, Any] = {}
     if spec.auth is not None and spec.auth.api_key_secret_ref is not None:
         values["api_key_file"] = API_KEY_FILE
     if spec.auth is not None and spec.auth.tenant_header is not None:
         values["cache_salt_header"] = spec.auth.tenant_header.lower()
+    for name in ("max_running_per_tenant", "max_waiting_per_tenant"):
+        limit = getattr(spec.scheduling, name)
+        if limit is not None:
+            values[name] = limit
     return values
 
 

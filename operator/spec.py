@@ -446,6 +446,9 @@ class SchedulingSpec(SpecModel):
     enable_prefix_caching: bool = True
     block_size: Literal[16, 32, 64] = 16
     slo: SLOSpec = SLOSpec()
+    policy: Literal["fcfs", "fair", "priority"] = "fcfs"
+    max_running_per_tenant: int | None = Field(None, ge=1, le=65536)
+    max_waiting_per_tenant: int | None = Field(None, ge=1, le=1_000_000)
 
 
 class ServiceSpec(SpecModel):

@@ -46,7 +46,9 @@ class Scheduler:
     the scheduling policy (`StepLimits.policy`; engine/core/request_queue.py for WAITING). When
     blocks run out the last running request in that order is preempted by recompute: the
     newest (fcfs), the lowest priority (priority), or the newest of the tenant running most
-    (fair).
+    (fair). Under fair each tenant with work is also owed an even share of the running slots:
+    a tenant below its share starts before the others, and takes a slot back from a tenant
+    above its share when none is free (`_reclaim_slots`).
 
     With `async_scheduling` the next step is planned while this one runs: a step that will
     sample a token for a request leaves a placeholder (`num_output_placeholders`), which the
@@ -196,6 +198,10 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        if self.limits.policy == "fair":
+            self._reclaim_slots(preempted)
+        # Requests sent back to make room for another tenant's do not stop admission.
+        reclaimed = len(preempted)
 
         if self.limits.phased and self.waiting:
             # Phased baseline: admit whole prompts and run nothing else this step.
@@ -203,8 +209,8 @@ class Scheduler:
             if scheduled:
                 return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
         self._schedule_running(budget, scheduled, cached_reqs, preempted)
-        # vLLM's rule: a step that had to preempt admits nobody new.
-        if not preempted and not self.limits.phased:
+        # vLLM's rule: a step that had to preempt for blocks admits nobody new.
+        if len(preempted) == reclaimed and not self.limits.phased:
             self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
         return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
 
@@ -242,6 +248,43 @@ class Scheduler:
                 seen[request.tenant] += 1
             order = sorted(range(len(self.running)), key=ranks.__getitem__)
             self.running[:] = [self.running[i] for i in order]
+
+    def _slot_shares(self) -> tuple[int, Counter[Tenant], int]:
+        """fair: the running slots each tenant is owed (max_num_seqs split evenly among the
+        tenants with requests running or waiting), each tenant's running requests, and the
+        slots owed to waiting requests of tenants below their share."""
+        running_of = Counter(r.tenant for r in self.running)
+        waiting_of = self.waiting.tenants
+        share = max(1, self.limits.max_num_seqs // max(1, len(running_of.keys() | waiting_of)))
+        owed = sum(
+            min(count, share - running_of[tenant])
+            for tenant, count in waiting_of.items()
+            if running_of[tenant] < share
+        )
+        return share, running_of, owed
+
+    def _reclaim_slots(self, preempted: set[str]) -> None:
+        """fair: when tenants below their share of the slots have requests waiting and too
+        few slots are free, the newest requests of the tenants furthest above their share go
+        back to WAITING (recompute; with prefix caching their full blocks stay cached), so
+        that a flood holding every slot delays another tenant's start by one step at most."""
+        share, running_of, owed = self._slot_shares()
+        free = self.limits.max_num_seqs - len(self.running)
+        while owed > free:
+            tenant, most = running_of.most_common(1)[0]
+            if most <= share:
+                return
+            victim = next(
+                (r for r in reversed(self.running) if r.tenant == tenant),
+                None,
+            )
+            if victim is None or victim.num_output_placeholders:
+                return  # its token is in flight: the slot comes back at a later step
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            running_of[tenant] -= 1
+            free += 1
 
     def _spend(self, budget: StepBudget, request: Request, num_tokens: int) -> None:
         """Take a request's tokens out of the step's budget and charge them to its tenant."""
@@ -429,7 +472,14 @@ class Scheduler:
         waiting = self.waiting
         adapters = _AdapterSlots(self.limits.max_loras, self.running)
         cap = self.limits.max_running_per_tenant
-        running_of = Counter(r.tenant for r in self.running) if cap is not None else Counter()
+        fair = self.limits.policy == "fair"
+        share, running_of, owed = (
+            self._slot_shares() if fair else (0, Counter(r.tenant for r in self.running), 0)
+        )
+        # fair: once a tenant below its share starts a request, tenants at or above theirs
+        # start none this step (their prompts would lengthen the step that gives its first
+        # token); nor do they take the slots owed to the others.
+        started_owed = False
         while not budget.is_spent and len(self.running) < self.limits.max_num_seqs:
             request = waiting.peek()
             if request is None:
@@ -437,6 +487,12 @@ class Scheduler:
             if cap is not None and running_of[request.tenant] >= cap:
                 waiting.exclude(request.tenant)
                 continue
+            below_share = running_of[request.tenant] < share
+            if fair and not below_share:
+                free = self.limits.max_num_seqs - len(self.running)
+                if started_owed or free <= owed:
+                    waiting.exclude(request.tenant)
+                    continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
@@ -512,6 +568,8 @@ class Scheduler:
             self.running.append(request)
             adapters.add(request)
             running_of[request.tenant] += 1
+            if fair and below_share:
+                started_owed, owed = True, max(0, owed - 1)
             scheduled[request.request_id] = num_new
             self._spend(budget, request, num_new)
 

@@ -84,7 +84,7 @@ def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlet
             app.state.proxy = proxy
             app.state.cache_salt_header = args.cache_salt_header
             # The Gateway API Inference Extension's endpoint picker (router/epp.py).
-            epp = None if args.epp_port is None else await serve_endpoint_picker(args, proxy)
+            epp = None if args.epp_port is None else await serve_endpoint_picker(args, proxy, keys)
             app.state.epp_port = None if epp is None else epp.port
             if epp is not None:
                 monitor.on_round = epp.refresh_health

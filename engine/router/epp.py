@@ -30,7 +30,10 @@ is written for):
 Responses: headers answered unchanged (their metadata says which endpoint served), body chunks
 echoed in FULL_DUPLEX_STREAMED and answered empty otherwise, trailers answered empty. An
 immediate response ends the stream: 400 for a body that is not a JSON object, 503 with no
-healthy endpoint (or none in the gateway's subset hint), 429 when shedding (--epp-shed-load).
+healthy endpoint (or none in the gateway's subset hint), 429 when shedding (--epp-shed-load)
+or when the request's tenant has its limit in flight (the router's per-tenant limit,
+router/tenant_limits.py, counted from the pick to the end of the response), 401 when the
+router has API keys and the request names none of them.
 A body over MAX_BODY_BYTES is a 413 (the picker buffers it whole).
 A message the protocol does not allow closes the stream with INVALID_ARGUMENT, and the
 gateway's failure mode (FailOpen, FailClose) decides.
@@ -72,8 +75,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tidegate.engine.config import RouterArgs
-from tidegate.engine.entrypoints.openai.auth import tenant_cache_salt
+from tidegate.engine.entrypoints.openai.auth import APIKeys, key_refusal, tenant_cache_salt
 from tidegate.engine.entrypoints.openai.errors import OpenAIError
+from tidegate.engine.entrypoints.openai.tenants import request_tenant
 from tidegate.engine.http_server import DRAINING_HEADER
 from tidegate.engine.router import errors
 from tidegate.engine.router.epp_messages import (
@@ -100,6 +104,7 @@ from tidegate.engine.router.instances import Instance, InstancePool
 from tidegate.engine.router.metrics import RouterMetrics
 from tidegate.engine.router.proxy import Proxy
 from tidegate.engine.router.routing import Route
+from tidegate.engine.router.tenant_limits import Tenant, TenantCounts
 
 logger = logging.getLogger("tidegate.router")
 
@@ -165,22 +170,56 @@ class Lease:
             self.instance.in_flight -= 1
 
 
+class Refused(Exception):
+    """A request the picker refuses, and the outcome it counts as."""
+
+    def __init__(self, error: OpenAIError, outcome: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.outcome = outcome
+
+
+class TenantLease:
+    """One request counted in flight for its tenant, given back exactly once."""
+
+    def __init__(self, counts: TenantCounts, tenant: Tenant) -> None:
+        self.counts = counts
+        self.tenant = tenant
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.counts.release(self.tenant)
+
+
 @dataclass
 class Pick:
-    """Where one request goes: its endpoints best first, and its prefill instance if any."""
+    """Where one request goes: its endpoints best first, its prefill instance if any, and
+    its count against its tenant's limit if there is one."""
 
     endpoints: list[Instance]
     prefill: Instance | None = None
+    tenant: TenantLease | None = None
 
 
 class Picker:
     """Chooses the endpoints of one request from the router's pools."""
 
-    def __init__(self, args: RouterArgs, proxy: Proxy) -> None:
+    def __init__(self, args: RouterArgs, proxy: Proxy, keys: APIKeys | None = None) -> None:
         self.proxy = proxy
         # Envoy hands us header names in lower case.
         self.cache_salt_header = args.cache_salt_header.lower() if args.cache_salt_header else None
         self.shed_load = args.epp_shed_load
+        # With API keys a request's key is checked here too: a key that names a tenant must
+        # be a real one, or made-up keys would each get a tenant's limit.
+        self.keys = keys
+        per_tenant = args.max_in_flight_per_tenant
+        self.tenants = (
+            None
+            if per_tenant is None
+            else TenantCounts(per_tenant, lambda: len(self.pool.healthy()))
+        )
         self.metrics: RouterMetrics = proxy.metrics
         self._prefill_missing = False
         self._warned: set[str] = set()
@@ -197,7 +236,16 @@ class Picker:
         headers: Mapping[str, str],
         subset: list[str] | None,
     ) -> Pick:
-        """The endpoints for this request (None: no body to go by); an OpenAIError if none."""
+        """The endpoints for this request (None: no body to go by); an OpenAIError if none,
+        if its API key is not valid, or if its tenant is at its limit (the pick then counts one
+        request of its tenant, in `Pick.tenant`, which the exchange gives back)."""
+        if self.keys is not None:
+            authorization = headers.get("authorization")
+            refusal = key_refusal(
+                None if authorization is None else authorization.encode("latin-1"), self.keys
+            )
+            if refusal is not None:
+                raise Refused(refusal, "unauthorized")
         retry_after_s = self.proxy.retry_after_s
         body = dict(body or {})
         if self.cache_salt_header is not None:
@@ -221,6 +269,12 @@ class Picker:
         pick = Pick(ranked[:ENDPOINTS_PER_PICK])
         if body and self.proxy.needs_prefill(path, body):
             pick.prefill = self._prefill(route)
+        if self.tenants is not None:
+            tenant = request_tenant(headers, self.cache_salt_header, self.keys is not None)
+            refusal = self.tenants.admit(tenant)
+            if refusal is not None:
+                raise Refused(refusal, "tenant_limit")
+            pick.tenant = TenantLease(self.tenants, tenant)
         return pick
 
     def _prefill(self, route: Route) -> Instance | None:
@@ -289,6 +343,7 @@ class Exchange:
         self.finished = False
         self.lease: Lease | None = None
         self.prefill_lease: Lease | None = None
+        self.tenant_lease: TenantLease | None = None
         self.served_known = False
 
     @property
@@ -325,7 +380,7 @@ class Exchange:
 
     def release(self) -> None:
         """Give back what this request counts in flight (idempotent)."""
-        for lease in (self.lease, self.prefill_lease):
+        for lease in (self.lease, self.prefill_lease, self.tenant_lease):
             if lease is not None:
                 lease.release()
 
@@ -406,10 +461,12 @@ class Exchange:
             return [routing, *streamed_body(True, body, end_of_stream)]
         return [routing, *(body_response(request_phase=True) for _ in range(self.chunks))]
 
-    def _refuse(self, error: OpenAIError) -> ext_proc.ProcessingResponse:
+    def _refuse(
+        self, error: OpenAIError, outcome: str | None = None
+    ) -> ext_proc.ProcessingResponse:
         """The immediate response that ends the stream with this error."""
         self.finished = True
-        self.count(_outcome(error))
+        self.count(outcome or _outcome(error))
         logger.debug("endpoint picker refuses %s: %s", self.path, error.message)
         return immediate_response(error, f"tidegate_epp_{self.outcome}")
 
@@ -426,9 +483,12 @@ class Exchange:
             )
         except OpenAIError as error:
             return self._refuse(error)
+        except Refused as refused:
+            return self._refuse(refused.error, refused.outcome)
         self.routed = True
         self.count("picked")
         self.lease = Lease(pick.endpoints[0])
+        self.tenant_lease = pick.tenant
         endpoints = ",".join(endpoint_of(i.url) for i in pick.endpoints)
         set_headers = {DESTINATION_HEADER: endpoints}
         remove = []
@@ -551,10 +611,10 @@ def _listen_address(host: str, port: int) -> str:
 class EndpointPicker:
     """The gRPC server of ext_proc and health, on the router's event loop."""
 
-    def __init__(self, args: RouterArgs, proxy: Proxy) -> None:
+    def __init__(self, args: RouterArgs, proxy: Proxy, keys: APIKeys | None = None) -> None:
         assert args.epp_port is not None
         self.proxy = proxy
-        self.picker = Picker(args, proxy)
+        self.picker = Picker(args, proxy, keys)
         self.health = health.aio.HealthServicer()
         self._stopping = asyncio.Event()
         # Without SO_REUSEPORT a port another process holds is an error, not a shared port.
@@ -588,8 +648,10 @@ class EndpointPicker:
         await self.server.stop(STOP_GRACE_S)
 
 
-async def serve_endpoint_picker(args: RouterArgs, proxy: Proxy) -> EndpointPicker:
+async def serve_endpoint_picker(
+    args: RouterArgs, proxy: Proxy, keys: APIKeys | None = None
+) -> EndpointPicker:
     """Start the endpoint picker on --epp-port (0: a free port, read from `.port`)."""
-    picker = EndpointPicker(args, proxy)
+    picker = EndpointPicker(args, proxy, keys)
     await picker.start()
     return picker

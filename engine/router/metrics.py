@@ -63,7 +63,8 @@ class RouterMetrics:
             PREFIX + "epp_picks",
             "Endpoint picker (--epp-port) answers to a gateway by outcome: picked (endpoints "
             "returned), no_endpoint (503: no healthy instance, or none in the gateway's subset), "
-            "shed (429, --epp-shed-load), error (400 for a body that is not JSON, a protocol "
+            "shed (429, --epp-shed-load), tenant_limit (429, the tenant's requests in flight at its "
+            "limit), unauthorized (401, no valid API key), error (400 for a body that is not JSON, a protocol "
             "violation, or a failure of the picker itself).",
             labelnames=("outcome",),
             registry=self.registry,

@@ -3,6 +3,7 @@ per-tenant running cap, and per-tenant bookkeeping that ends empty whatever happ
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -173,6 +174,63 @@ def test_fair_preempts_the_newest_request_of_the_tenant_running_most():
     assert preempted == {"a1"}
     run_to_completion(scheduler)
     assert all(r.num_output_tokens == 40 for r in requests)
+
+
+def test_fair_takes_a_slot_back_from_a_flood_holding_every_slot():
+    # A holds all 8 slots with long decodes and has more waiting; B's request arrives.
+    scheduler = make_scheduler("fair", max_num_seqs=8)
+    for i in range(20):
+        scheduler.add_request(tenant_request(f"a{i}", "A", 8, max_tokens=200))
+    step(scheduler)
+    assert len(scheduler.running) == 8
+    scheduler.add_request(tenant_request("b0", "B", 8, max_tokens=200))
+    out = step(scheduler)
+    # B starts at once; A's newest went back to WAITING, and no other prompt of A started in
+    # the step that gives B its first token.
+    assert out.num_scheduled_tokens["b0"] == 8
+    assert set(out.preempted_req_ids) == {"a7"}
+    assert [r.request_id for r in scheduler.waiting][:1] == ["a7"]
+    assert not [d.req_id for d in out.scheduled_new_reqs if d.req_id != "b0"]
+    # B below its share of four: each newcomer of B takes one of A's slots back, until B
+    # holds its share and A the rest; then nobody is preempted to make room.
+    for i in range(1, 6):
+        scheduler.add_request(tenant_request(f"b{i}", "B", 8, max_tokens=200))
+    preemptions = 0
+    for _ in range(10):
+        preemptions += len(step(scheduler).preempted_req_ids)
+    running = Counter(r.tenant for r in scheduler.running)
+    assert running == {"A": 4, "B": 4}
+    assert preemptions == 3  # b1..b3 took slots back; b4, b5 wait for B's own
+    assert scheduler.num_waiting_of("B") == 2
+
+
+def test_fair_leaves_slots_alone_while_every_tenant_is_within_its_share():
+    scheduler = make_scheduler("fair", max_num_seqs=8)
+    for i in range(3):
+        scheduler.add_request(tenant_request(f"a{i}", "A", 8, max_tokens=30))
+    for i in range(2):
+        scheduler.add_request(tenant_request(f"b{i}", "B", 8, max_tokens=30))
+    outs = run_to_completion(scheduler)
+    assert not any(out.preempted_req_ids for out in outs)
+
+
+def test_fair_a_slot_taken_back_reuses_the_cached_prefix():
+    # With prefix caching, A's preempted request finds its full blocks again when it resumes.
+    limits = dataclasses.replace(make_scheduler("fair").limits, max_num_seqs=2)
+    scheduler = Scheduler(limits, KVCacheManager(200, 16, enable_caching=True))
+    a = [make_request(f"a{i}", 64 + i, max_tokens=40, base=1000 * (i + 1)) for i in range(2)]
+    for request in a:
+        request.tenant = "A"
+        scheduler.add_request(request)
+    step(scheduler)
+    scheduler.add_request(tenant_request("b0", "B", 8, max_tokens=4))
+    assert set(step(scheduler).preempted_req_ids) == {"a1"}
+    run_to_completion(scheduler)
+    assert a[1].num_output_tokens == 40 and a[1].num_preemptions == 1
+    # Each prompt once, then at most a block's worth of a1's tokens recomputed.
+    assert 64 + 65 + 8 < scheduler.num_computed_prompt_tokens <= 64 + 65 + 8 + 16
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
 
 
 @pytest.mark.parametrize("policy", POLICIES)

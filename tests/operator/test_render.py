@@ -1358,6 +1358,26 @@ def test_the_tenant_header_reaches_every_engine_and_the_router() -> None:
         assert yaml.safe_load(text)["cache-salt-header"] == "x-tenant-id"
 
 
+def test_the_scheduling_policy_and_tenant_limits_reach_the_engines_and_the_router() -> None:
+    spec = copy.deepcopy(TABLE["disaggregated-cpu"])
+    spec["auth"] = {"tenantHeader": "X-Tenant-Id"}
+    spec["scheduling"] = {"policy": "fair", "maxRunningPerTenant": 6, "maxWaitingPerTenant": 20}
+    texts = {k: yaml.safe_load(v) for k, v in config_map(render_spec(spec))["data"].items()}
+    for role in ("prefill.yaml", "decode.yaml"):
+        assert texts[role]["scheduling-policy"] == "fair"
+        assert texts[role]["max-running-per-tenant"] == 6
+        assert texts[role]["max-waiting-per-tenant"] == 20
+    router = texts["router.yaml"]
+    assert (router["max-running-per-tenant"], router["max-waiting-per-tenant"]) == (6, 20)
+    assert "scheduling-policy" not in router
+    # The router counts in flight only with both limits; an engine takes either alone.
+    spec["scheduling"] = {"maxWaitingPerTenant": 20}
+    texts = {k: yaml.safe_load(v) for k, v in config_map(render_spec(spec))["data"].items()}
+    assert texts["decode.yaml"]["max-waiting-per-tenant"] == 20
+    assert texts["decode.yaml"]["scheduling-policy"] == "fcfs"
+    assert "max-waiting-per-tenant" not in texts["router.yaml"]
+
+
 def test_caches_go_to_the_writable_tmp_volume() -> None:
     for container in all_containers(render_spec(TABLE["disaggregated-cpu"])):
         assert container["securityContext"]["readOnlyRootFilesystem"] is True

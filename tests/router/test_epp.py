@@ -29,6 +29,7 @@ from tests.router.envoy_client import (
 from tests.router.fake_engine import DECODE_CHUNKS
 from tidegate.common.local_server import free_port
 from tidegate.engine.config import RouterArgs
+from tidegate.engine.entrypoints.openai.auth import APIKeys
 from tidegate.engine.router import epp as epp_module
 from tidegate.engine.router.epp import (
     ENDPOINTS_PER_PICK,
@@ -377,14 +378,18 @@ def test_on_shutdown_open_streams_close_cleanly(pool, envoy):
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def exchange(**flags: Any) -> Exchange:
+def exchange(keys: APIKeys | None = None, **flags: Any) -> Exchange:
+    return Exchange(picker(keys, **flags))
+
+
+def picker(keys: APIKeys | None = None, **flags: Any) -> Picker:
     args = RouterArgs(decode=URLS, **flags)
     proxy = Proxy(args, client=None)  # type: ignore[arg-type]  # nothing is sent
     pool = proxy.pools["decode"]
     pool.set_urls(URLS)
     for instance in pool:
         pool.mark_healthy(instance)
-    return Exchange(Picker(args, proxy))
+    return Picker(args, proxy, keys)
 
 
 def handle(epp: Exchange, message: Any) -> list:
@@ -509,3 +514,51 @@ def test_protocol_violations_are_named(messages):
     with pytest.raises(ProtocolViolation):
         for message in messages:
             handle(epp, message)
+
+
+def routed_request(epp: Exchange, **headers: str) -> ext_proc.ProcessingResponse:
+    """Headers and a whole body through the exchange; the answer that routes or refuses it."""
+    handle(epp, headers_message(FULL_DUPLEX_STREAMED, **headers))
+    return handle(epp, body_message(json.dumps(COMPLETION).encode(), True))[0]
+
+
+def test_a_tenant_at_its_limit_is_refused_with_a_429_until_one_of_its_responses_ends():
+    # Two instances, 1 running + 1 waiting each: four of a tenant's requests in flight.
+    shared = picker(
+        cache_salt_header="X-Tenant-Id", max_running_per_tenant=1, max_waiting_per_tenant=1
+    )
+    acme = [Exchange(shared) for _ in range(5)]
+    answers = [routed_request(epp, **{"x-tenant-id": "acme"}) for epp in acme]
+    assert [a.WhichOneof("response") for a in answers[:4]] == ["request_headers"] * 4
+    refused = answers[4].immediate_response
+    assert refused.status.code == 429 and refused.details == "tidegate_epp_tenant_limit"
+    error = json.loads(refused.body)["error"]
+    assert error["code"] == "rate_limit_exceeded" and "limit of 4" in error["message"]
+    # Another tenant is not held back by acme's flood.
+    globex = Exchange(shared)
+    assert routed_request(globex, **{"x-tenant-id": "globex"}).HasField("request_headers")
+    assert shared.tenants is not None and shared.tenants.in_flight == {"acme": 4, "globex": 1}
+    # The end of one of acme's responses gives its count back; a refusal held none.
+    handle(acme[0], body_message(b"data", end_of_stream=True, request=False))
+    assert routed_request(Exchange(shared), **{"x-tenant-id": "acme"}).HasField("request_headers")
+    for epp in [*acme, globex]:
+        epp.release()
+        epp.release()  # once only
+    assert shared.tenants.in_flight == {"acme": 1}
+
+
+def test_with_api_keys_the_picker_refuses_a_missing_or_wrong_key_and_counts_by_key():
+    keys = APIKeys(["k1", "k2"])
+    shared = picker(keys, max_running_per_tenant=1, max_waiting_per_tenant=1)
+    missing = routed_request(Exchange(shared)).immediate_response
+    wrong = routed_request(Exchange(shared), authorization="Bearer nope").immediate_response
+    assert missing.status.code == wrong.status.code == 401
+    assert wrong.details == "tidegate_epp_unauthorized"
+    assert json.loads(wrong.body)["error"]["code"] == "invalid_api_key"
+    # Four requests in flight for each key (two per instance): two keys are two tenants.
+    for key in ["k1"] * 4 + ["k2"] * 4:
+        answer = routed_request(Exchange(shared), authorization=f"Bearer {key}")
+        assert answer.HasField("request_headers"), key
+    third = routed_request(Exchange(shared), authorization="Bearer k1").immediate_response
+    assert third.status.code == 429
+    assert shared.tenants is not None and len(shared.tenants.in_flight) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidegate.engine.config import API_KEY_ENV, TenancyArgs
-from tidegate.engine.entrypoints.openai.errors import error_response, invalid_api_key
+from tidegate.engine.entrypoints.openai.errors import OpenAIError, error_response, invalid_api_key
 
 logger = logging.getLogger("tidegate.auth")
 
@@ -181,6 +181,16 @@ def tenant_cache_salt(headers: Mapping[str, str], header: str) -> str | None:
     return headers.get(header) or None
 
 
+def key_refusal(authorization: bytes | None, keys: APIKeys) -> OpenAIError | None:
+    """The 401 for a request with this Authorization header; None when it names a valid key."""
+    if authorization is None:
+        return invalid_api_key(missing=True)
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer" or not keys.matches(token.strip()):
+        return invalid_api_key(missing=False)
+    return None
+
+
 class APIKeyMiddleware:
     """Answers 401 unless `Authorization: Bearer <key>` names one of `keys`; open_paths need
     no key. The keys are looked up per request, so a reload takes effect at the next one."""
@@ -194,12 +204,8 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization")
-        if header is None:
-            await error_response(invalid_api_key(missing=True))(scope, receive, send)
-            return
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not self.keys.matches(token.strip()):
-            await error_response(invalid_api_key(missing=False))(scope, receive, send)
+        refusal = key_refusal(dict(scope["headers"]).get(b"authorization"), self.keys)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
         await self.app(scope, receive, send)
