@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,8 +23,10 @@ from kmock._internal import dsl as kmock_dsl
 from kmock._internal import k8s as kmock_k8s
 from kmock._internal import parsing as kmock_parsing
 from kmock._internal import rendering as kmock_rendering
+from kopf.testing import KopfRunner
 
 from tests.operator.faults import Faults, gone_event
+from tidegate.operator.handlers import OperatorOptions, build_registry
 from tidegate.operator.kube import object_path
 
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -331,6 +334,22 @@ class KopfLog(logging.Handler):
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger("kopf.objects").removeHandler(self)
+
+
+def run_operator(
+    cluster: EmulatedCluster, options: OperatorOptions | None = None, timeout: float = 30
+) -> KopfRunner:
+    """kopf running the operator against `cluster`, all namespaces; enter it to start."""
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    registry = build_registry(options or OperatorOptions())
+    return KopfRunner(
+        ["run", "--standalone", "--all-namespaces"], registry=registry, timeout=timeout
+    )
+
+
+# Every test module's operator logs here (tests/operator/conftest.py); settle() waits for it
+# to go quiet.
+KOPF_LOG = KopfLog()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

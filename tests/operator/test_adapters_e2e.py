@@ -9,7 +9,6 @@ servers on 127.0.0.1 (those of test_autoscaler_e2e.py).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,6 @@ from kopf.testing import KopfRunner
 from tests.operator.cluster import EmulatedCluster, wait_for
 from tests.operator.test_autoscaler_e2e import Exposition, add_pod, serve
 from tests.operator.test_operator_e2e import (
-    KOPF_LOG,
     config_of,
     edit_spec,
     get,
@@ -28,12 +26,17 @@ from tests.operator.test_operator_e2e import (
     settle,
     status,
 )
-from tidegate.operator.handlers import OperatorOptions, build_registry
+from tidegate.operator.handlers import OperatorOptions
 
 PERIOD_S = 0.2
 CONFIG_MAPS = "/api/v1/namespaces/default/configmaps"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 SQL = {"name": "sql", "source": {"pvc": {"claimName": "models", "path": "loras/sql"}}}
+
+
+@pytest.fixture(scope="module")
+def operator_options() -> OperatorOptions:
+    return OperatorOptions(adapter_period_s=PERIOD_S)
 
 
 def spec(**extra: Any) -> dict[str, Any]:
@@ -55,29 +58,6 @@ def expositions() -> Iterator[list[Exposition]]:
     yield made
     for page in made:
         page.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    registry = build_registry(OperatorOptions(adapter_period_s=PERIOD_S))
-    with KopfRunner(
-        ["run", "--standalone", "--all-namespaces"], registry=registry, timeout=30
-    ) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 def spec_hash(cluster: EmulatedCluster, name: str) -> str:

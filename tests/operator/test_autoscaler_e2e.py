@@ -22,9 +22,8 @@ import httpx
 import pytest
 from kopf.testing import KopfRunner
 
-from tests.operator.cluster import EmulatedCluster, wait_for
+from tests.operator.cluster import EmulatedCluster, run_operator, wait_for
 from tests.operator.test_operator_e2e import (
-    KOPF_LOG,
     NS,
     conditions,
     edit_spec,
@@ -35,7 +34,7 @@ from tests.operator.test_operator_e2e import (
     tiny_spec,
 )
 from tidegate.operator.cluster_scaler import DELETION_COST
-from tidegate.operator.handlers import OperatorOptions, build_registry
+from tidegate.operator.handlers import OperatorOptions
 from tidegate.operator.kube import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, object_path
 from tidegate.operator.labels import selector_labels
 from tidegate.operator.pool_metrics import parse_exposition
@@ -70,6 +69,11 @@ class Exposition:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def operator_options() -> OperatorOptions:
+    return OperatorOptions(autoscale_period_s=PERIOD_S, metrics_port=METRICS_PORT)
 
 
 def engine(running: int, waiting: int = 0) -> str:
@@ -151,30 +155,6 @@ def free_port() -> int:
 
 
 METRICS_PORT = free_port()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    options = OperatorOptions(autoscale_period_s=PERIOD_S, metrics_port=METRICS_PORT)
-    registry = build_registry(options)
-    with KopfRunner(
-        ["run", "--standalone", "--all-namespaces"], registry=registry, timeout=30
-    ) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 def replicas(cluster: EmulatedCluster, name: str) -> int:
@@ -354,11 +334,7 @@ def test_a_restarted_operator_resumes_from_status(tmp_path: Path) -> None:
         options = OperatorOptions(autoscale_period_s=PERIOD_S)
         page = Exposition(engine(8, 4))
         try:
-            with KopfRunner(
-                ["run", "--standalone", "--all-namespaces"],
-                registry=build_registry(options),
-                timeout=30,
-            ) as runner:
+            with run_operator(cluster, options) as runner:
                 cluster.create(llmd("resume", spec))
                 wait_for(lambda: get(cluster, "Deployment", "resume"), what="the Deployment")
                 add_pod(cluster, "resume-a", "resume", "unified", page)
@@ -374,11 +350,7 @@ def test_a_restarted_operator_resumes_from_status(tmp_path: Path) -> None:
             assert runner.exception is None
             page.text = engine(1)  # the load is gone while no operator runs
 
-            with KopfRunner(
-                ["run", "--standalone", "--all-namespaces"],
-                registry=build_registry(options),
-                timeout=30,
-            ) as runner:
+            with run_operator(cluster, options) as runner:
                 wait_for(
                     lambda: "window holds 3" in autoscaling(cluster, "resume")["reason"],
                     what="the window holding the pool",

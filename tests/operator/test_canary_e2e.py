@@ -11,7 +11,6 @@ kubelet: tests play it with Pod objects whose `/metrics` are small servers on 12
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -23,7 +22,6 @@ from kopf.testing import KopfRunner
 from tests.operator.cluster import EmulatedCluster, wait_for
 from tests.operator.test_autoscaler_e2e import Exposition, add_pod, serve
 from tests.operator.test_operator_e2e import (
-    KOPF_LOG,
     LLMD,
     conditions,
     config_of,
@@ -38,13 +36,18 @@ from tests.operator.test_operator_e2e import (
 from tests.operator.test_step_fit import run_steps
 from tidegate.engine.metrics import ITL_BUCKETS, TTFT_BUCKETS, PrometheusMetrics
 from tidegate.operator.canary_judge import CANARY_WARMUP_REQUESTS as WARM
-from tidegate.operator.handlers import OperatorOptions, build_registry
+from tidegate.operator.handlers import OperatorOptions
 from tidegate.operator.labels import CANARY_TRACK, TRACK_LABEL
 from tidegate.operator.rollout import CANARY_ANNOTATION, CANARY_REVISION
 
 PERIOD_S = 0.2
 CANARY = {"strategy": "canary", "canary": {"minRequests": 40, "looks": 2}}
 HASH = "tidegate.dev/spec-hash"
+
+
+@pytest.fixture(scope="module")
+def operator_options() -> OperatorOptions:
+    return OperatorOptions(rollout_period_s=PERIOD_S)
 
 
 def page(requests: int, ttft_s: float, itl_s: float, failed: int = 0) -> str:
@@ -63,29 +66,6 @@ def page(requests: int, ttft_s: float, itl_s: float, failed: int = 0) -> str:
     lines.append(f'tidegate:request_success_total{{finished_reason="stop"}} {requests - failed}')
     lines.append(f'tidegate:request_success_total{{finished_reason="error"}} {failed}')
     return "\n".join(lines) + "\n"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    registry = build_registry(OperatorOptions(rollout_period_s=PERIOD_S))
-    with KopfRunner(
-        ["run", "--standalone", "--all-namespaces"], registry=registry, timeout=30
-    ) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 @pytest.fixture

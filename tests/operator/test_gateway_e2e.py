@@ -7,22 +7,18 @@ resource is applied and the condition says what to install.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from kopf.testing import KopfRunner
 
-from tests.operator.cluster import INFERENCE_POOLS, EmulatedCluster, wait_for
+from tests.operator.cluster import INFERENCE_POOLS, EmulatedCluster, run_operator, wait_for
 from tests.operator.test_operator_e2e import (
-    KOPF_LOG,
     LLMD,
     conditions,
     config_of,
     edit_spec,
     get,
     llmd,
-    run_operator,
     settle,
     status,
     tiny_spec,
@@ -34,25 +30,6 @@ NOT_INSTALLED = (
     "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed; install the "
     "Gateway API Inference Extension"
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    with run_operator(cluster) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 def pool_of(cluster: EmulatedCluster, name: str) -> dict | None:

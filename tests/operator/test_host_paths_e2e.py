@@ -4,15 +4,13 @@ an allowed one is served; a bad edit leaves what runs alone."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
 from tests.operator.cluster import EmulatedCluster, wait_for
-from tidegate.operator.handlers import OperatorOptions, build_registry
+from tidegate.operator.handlers import OperatorOptions
 from tidegate.operator.host_paths import READ_ONLY_FLAG, REASON, HostPathPolicy
 from tidegate.operator.kube import KINDS
 from tidegate.operator.render import RenderOptions
@@ -53,18 +51,8 @@ def set_path(cluster: EmulatedCluster, name: str, path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        os.environ["KUBECONFIG"] = str(emulated.kubeconfig)
-        options = OperatorOptions(render=RenderOptions(host_paths=POLICY))
-        runner = KopfRunner(
-            ["run", "--standalone", "--all-namespaces"],
-            registry=build_registry(options),
-            timeout=30,
-        )
-        with runner:
-            yield emulated
-        assert runner.exception is None, runner.output[-3000:]
+def operator_options() -> OperatorOptions:
+    return OperatorOptions(render=RenderOptions(host_paths=POLICY))
 
 
 @pytest.mark.parametrize(
@@ -78,7 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluste
     ],
 )
 def test_a_refused_folder_is_degraded_and_gets_nothing(
-    cluster: EmulatedCluster, name: str, path: str
+    cluster: EmulatedCluster, operator: KopfRunner, name: str, path: str
 ) -> None:
     cluster.create(llmd(name, path))
     condition = wait_for(lambda: degraded(cluster, name), what=f"{name} Degraded")
@@ -96,7 +84,7 @@ def test_a_refused_folder_is_degraded_and_gets_nothing(
 
 
 def test_an_allowed_folder_is_served_and_a_bad_edit_keeps_what_runs(
-    cluster: EmulatedCluster,
+    cluster: EmulatedCluster, operator: KopfRunner
 ) -> None:
     cluster.create(llmd("good", "/models/tiny"))
     wait_for(lambda: get(cluster, "LLMDeployment", "good")["status"]["phase"], what="a status")
@@ -122,7 +110,9 @@ def test_an_allowed_folder_is_served_and_a_bad_edit_keeps_what_runs(
     wait_for(lambda: degraded(cluster, "good") is None, what="good recovered")
 
 
-def test_a_refused_resource_is_served_once_its_folder_is_allowed(cluster: EmulatedCluster) -> None:
+def test_a_refused_resource_is_served_once_its_folder_is_allowed(
+    cluster: EmulatedCluster, operator: KopfRunner
+) -> None:
     cluster.create(llmd("fixed", "/srv/tiny"))
     wait_for(lambda: degraded(cluster, "fixed"), what="fixed Degraded")
     assert get(cluster, "Deployment", "fixed") is None

@@ -9,23 +9,19 @@ a cluster without LWS's CRD the rest is applied and the condition says what to i
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kopf.testing import KopfRunner
 
-from tests.operator.cluster import LEADER_WORKER_SETS, EmulatedCluster, wait_for
+from tests.operator.cluster import LEADER_WORKER_SETS, EmulatedCluster, run_operator, wait_for
 from tests.operator.test_operator_e2e import (
-    KOPF_LOG,
     conditions,
     config_of,
     edit_spec,
     get,
     llmd,
     roll_out,
-    run_operator,
     settle,
     status,
     tiny_spec,
@@ -38,25 +34,6 @@ NOT_INSTALLED = (
     "the LeaderWorkerSet CRD (leaderworkerset.x-k8s.io/v1) is not installed; install "
     "LeaderWorkerSet (kubernetes-sigs/lws), which runs a replica over several nodes"
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    with run_operator(cluster) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 def group_status(

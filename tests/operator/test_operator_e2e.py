@@ -7,25 +7,19 @@ play the API server's generation counter by bumping metadata.generation with eac
 from __future__ import annotations
 
 import copy
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from tests.operator.cluster import EmulatedCluster, KopfLog, wait_for
-from tidegate.operator.handlers import build_registry
+from tests.operator.cluster import KOPF_LOG, EmulatedCluster, run_operator, wait_for
 from tidegate.operator.kube import KINDS
 from tidegate.operator.labels import COMPONENT_LABEL, child_labels
 
 LLMD = "tidegate.dev/v1alpha1"
 API_VERSION_OF = {kind: api_version for api_version, kind in KINDS}
-# Every test module's operator logs here; settle() waits for it to go quiet.
-KOPF_LOG = KopfLog()
 NS = "default"
 
 
@@ -59,32 +53,6 @@ GPU_SPEC = {
     "accelerator": {"resource": "nvidia.com/gpu", "count": 2, "memoryGiB": 80},
     "scheduling": {"slo": {"ttftMs": 800, "itlMs": 50}},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kopf_log() -> Iterator[None]:
-    with KOPF_LOG:
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-def run_operator(cluster: EmulatedCluster) -> KopfRunner:
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    return KopfRunner(
-        ["run", "--standalone", "--all-namespaces"], registry=build_registry(), timeout=30
-    )
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    with run_operator(cluster) as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
 
 
 def get(cluster: EmulatedCluster, kind: str, name: str) -> dict[str, Any] | None:

@@ -19,10 +19,9 @@ out after 1.5 s, so that a row takes seconds.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -32,7 +31,7 @@ from kopf.testing import KopfRunner
 
 from tests.operator.cluster import EmulatedCluster, wait_for
 from tests.operator.faults import Fault, Faults
-from tidegate.operator.handlers import OperatorOptions, build_registry
+from tidegate.operator.handlers import OperatorOptions
 from tidegate.operator.kube import KINDS, object_path
 from tidegate.operator.reconcile import is_subset
 from tidegate.operator.render import render
@@ -163,20 +162,8 @@ FAULTS: dict[str, Row] = {
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("kube")) as emulated:
-        yield emulated
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: EmulatedCluster) -> Iterator[KopfRunner]:
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    runner = KopfRunner(
-        ["run", "--standalone", "--all-namespaces"], registry=build_registry(OPTIONS), timeout=60
-    )
-    with runner:
-        yield runner
-    assert runner.exception is None, runner.output[-3000:]
+def operator_options() -> OperatorOptions:
+    return OPTIONS
 
 
 @pytest.mark.parametrize("row", FAULTS)
