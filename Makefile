@@ -30,9 +30,11 @@ $(CHECKOV):
 # `tidegate up`), two files at a time, since their deadlines hold beside one other such module
 # but not beside the compiles of the first run; then the `alone` ones (ITL under a long
 # prompt's arrival, deadlines, soak RSS, data parallel), by themselves: they assume a quiet
-# machine.
+# machine. The image test (tests/images/test_images_run.py, `alone`) builds and runs the images
+# with podman: tools/container_tools.sh installs it where it is missing and this is root.
 TEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP) $(CHECKOV)
+	tools/container_tools.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
@@ -115,18 +117,46 @@ bench-peers: $(STAMP)
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
 
-# The three images (images/*.Dockerfile), built from the repository root. Needs a running
-# Docker daemon; CI here has none and does not call this target.
+# The images (images/*.Dockerfile), built from the repository root with podman or docker,
+# whichever is present (IMAGE_ENGINE=... picks one). `make images` builds all three from their
+# registry bases; `make images-local` needs no registry: it makes a Debian bookworm base with
+# mmdebstrap (tools/local_base.sh, once: it is kept while it exists), then engine-cpu and
+# operator on it. The CUDA engine image needs nvidia/cuda's base, so only `make images` builds
+# it. Each build gets the host's pip configuration as a secret and mounts, never as a layer
+# (tools/pip_build_config.py), and each image an SBOM next to it under dist/images/
+# (tools/image_sbom.sh). One version for all: pyproject's, which `tidegate --version` prints
+# and the chart's appVersion repeats (tests/images checks them).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 IMAGE_REPO ?= ghcr.io/tidegate
-IMAGE_TAG ?= 0.1.0
-IMAGE_ARGS = --build-arg VERSION=$(IMAGE_TAG) \
-	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown)
-.PHONY: images
-images:
-	@if ! docker info >/dev/null 2>&1; then \
-		echo "make images needs Docker (docker info failed: no client or no daemon); nothing built" >&2; \
-		exit 1; \
-	fi
-	docker build $(IMAGE_ARGS) -f images/engine.Dockerfile -t $(IMAGE_REPO)/engine:$(IMAGE_TAG) .
-	docker build $(IMAGE_ARGS) -f images/engine-cpu.Dockerfile -t $(IMAGE_REPO)/engine-cpu:$(IMAGE_TAG) .
-	docker build $(IMAGE_ARGS) -f images/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .
+IMAGE_TAG ?= $(VERSION)
+IMAGE_ENGINE ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+LOCAL_BASE ?= localhost/tidegate-base:bookworm-py3.11
+# runc, cgroupfs and no default ulimits (see the file): what podman needs on hosts like CI's.
+# CONTAINERS_CONF= on the command line leaves podman to the machine's own settings.
+export CONTAINERS_CONF ?= $(CURDIR)/images/containers.conf
+# podman writes OCI images unless told otherwise, and OCI has no HEALTHCHECK: docker's format.
+IMAGE_FORMAT = $(if $(filter podman,$(IMAGE_ENGINE)),--format docker)
+IMAGE_BUILD = $(IMAGE_ENGINE) build $(IMAGE_FORMAT) --network host \
+	--build-arg VERSION=$(VERSION) \
+	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	$$($(PYTHON) tools/pip_build_config.py --engine $(IMAGE_ENGINE) --out .cache/images/pip.conf)
+LOCAL_BASE_ARGS = --build-arg PYTHON_IMAGE=$(LOCAL_BASE) --build-arg TCMALLOC_PACKAGE=libtcmalloc-minimal4
+# engine-cpu's torch from the host's own index or wheel folder, where its pip has one.
+TORCH_ARGS = $(if $(filter engine-cpu,$*),$$($(PYTHON) tools/pip_build_config.py --cpu-torch-index))
+
+.PHONY: images images-local image-engine image-engine-cpu image-operator \
+	image-engine-cpu-local image-operator-local local-base
+
+images: image-engine image-engine-cpu image-operator
+images-local: image-engine-cpu-local image-operator-local
+
+image-engine image-engine-cpu image-operator: image-%:
+	$(IMAGE_BUILD) $(TORCH_ARGS) -f images/$*.Dockerfile -t $(IMAGE_REPO)/$*:$(IMAGE_TAG) .
+	tools/image_sbom.sh $(IMAGE_ENGINE) $(IMAGE_REPO)/$*:$(IMAGE_TAG) dist/images
+
+local-base:
+	tools/local_base.sh $(IMAGE_ENGINE) $(LOCAL_BASE)
+
+image-engine-cpu-local image-operator-local: image-%-local: local-base
+	$(IMAGE_BUILD) $(TORCH_ARGS) $(LOCAL_BASE_ARGS) -f images/$*.Dockerfile -t $(IMAGE_REPO)/$*:$(IMAGE_TAG) .
+	tools/image_sbom.sh $(IMAGE_ENGINE) $(IMAGE_REPO)/$*:$(IMAGE_TAG) dist/images

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -53,6 +54,15 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one release number that the
+    chart's appVersion and the image tags carry too (tests/images checks that they agree)."""
+    try:
+        return importlib.metadata.version("tidegate")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
 def build_parser(
     config: dict[str, Any] | None = None, only: Iterable[str] | None = None
 ) -> argparse.ArgumentParser:
@@ -63,6 +73,7 @@ def build_parser(
     """
     selected = set(COMMANDS if only is None else only)
     parser = argparse.ArgumentParser(prog="tidegate", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         child = sub.add_parser(name, help=command.help, description=command.help)

@@ -6,8 +6,8 @@ version, the user is the numeric uid the pods run as, `tidegate` is the entrypoi
 a HEALTHCHECK against the endpoint the process really serves, and OCI labels say what the
 image is. The engine images install the pinned torch wheel before the package and its engine
 extra; the operator image installs the package with its operator extra and no torch, and
-everything its code path imports is in it. No Docker daemon is needed: `make images` builds
-them where one exists.
+everything its code path imports is in it. No container engine is needed here:
+test_images_run.py builds and runs the images where podman or docker works.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import yaml
 from packaging.requirements import Requirement
 
 from tidegate.cli import build_parser
+from tidegate.cli import version as cli_version
+from tidegate.engine import __version__ as engine_version
 from tidegate.operator.manifest import load_llm_deployments
-from tidegate.operator.render import ENGINE_PORT, render
+from tidegate.operator.render import DEFAULT_ENGINE_IMAGE, ENGINE_PORT, render
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
@@ -46,7 +48,7 @@ OCI_LABELS = {
 }
 # The only hadolint rules an image may silence, and why.
 ALLOWED_IGNORES = {
-    "DL3008": "apt versions: Ubuntu's archive drops superseded builds, so exact pins break",
+    "DL3008": "apt versions: Debian's and Ubuntu's archives drop superseded builds, so exact pins break",
 }
 BUILD_TOOLS = {"build-essential", "gcc", "g++", "clang", "make", "cmake", "git", "curl", "wget"}
 # Final-stage build tools an image needs at run time, and why.
@@ -63,8 +65,17 @@ RUNTIME_BUILD_TOOLS = {
 }
 # Imported by no operator code path: the engine's own runtime (torch and the server).
 ENGINE_ONLY = ("torch", "numpy", "fastapi", "uvicorn", "zmq", "msgspec", "safetensors")
-# `pip install "/src[extra,...]"`: the package, with these extras of pyproject.toml.
-PACKAGE_INSTALL = re.compile(r'pip install "/src\[([\w,-]+)\]"')
+# `pip install --no-deps "/src[extra,...]"`: the package, with these extras of pyproject.toml
+# (their requirements installed by the step before, from pyproject.toml, so that a change to
+# the code reuses that layer).
+PACKAGE_INSTALL = re.compile(r'pip install --no-deps "/src\[([\w,-]+)\]"')
+# The step before: the base requirements and those of one extra, read from pyproject.toml.
+REQUIREMENTS_INSTALL = re.compile(
+    r'p\["dependencies"\] \+ p\["optional-dependencies"\]\["([\w-]+)"\].*'
+    r"pip install --requirement /tmp/requirements.txt"
+)
+# pip runs with the host's configuration mounted as a secret (tools/pip_build_config.py).
+PIP_SECRET = "--mount=type=secret,id=pipconf "
 
 
 @dataclass
@@ -255,8 +266,10 @@ def test_engine_images_pin_torch_before_the_package(name: str) -> None:
     build = parse(IMAGES / name).stages[0]
     runs = build.all("RUN")
     torch_run = next(i for i, run in enumerate(runs) if "torch==" in run)
+    requirements_run = next(i for i, run in enumerate(runs) if REQUIREMENTS_INSTALL.search(run))
     package_run = next(i for i, run in enumerate(runs) if PACKAGE_INSTALL.search(run))
-    assert torch_run < package_run
+    assert torch_run < requirements_run < package_run
+    assert REQUIREMENTS_INSTALL.search(runs[requirements_run]).group(1) == "engine"
     assert PACKAGE_INSTALL.search(runs[package_run]).group(1).split(",") == ["engine"]
     args = dict(a.partition("=")[::2] for a in build.all("ARG"))
     makefile = (REPO / "Makefile").read_text()
@@ -266,11 +279,15 @@ def test_engine_images_pin_torch_before_the_package(name: str) -> None:
 
 
 def operator_extras() -> list[str]:
-    """The extras the operator image installs the package with (its one pip command)."""
-    (run,) = [r for r in parse(IMAGES / "operator.Dockerfile").stages[0].all("RUN") if "pip" in r]
-    match = PACKAGE_INSTALL.fullmatch(run)
-    assert match, f"the operator image installs the package and its extras, nothing else: {run}"
-    return match.group(1).split(",")
+    """The extras the operator image installs the package with: its two pip commands, the
+    requirements of the base and one extra, then the package with that extra."""
+    runs = [r for r in parse(IMAGES / "operator.Dockerfile").stages[0].all("RUN") if "pip" in r]
+    assert len(runs) == 2, runs
+    requirements = REQUIREMENTS_INSTALL.search(runs[0])
+    package = PACKAGE_INSTALL.fullmatch(runs[1].removeprefix(PIP_SECRET))
+    assert requirements and package, f"the operator image installs the package only: {runs}"
+    assert [requirements.group(1)] == package.group(1).split(",")
+    return package.group(1).split(",")
 
 
 def operator_requirements() -> list[Requirement]:
@@ -401,9 +418,47 @@ def test_build_context_holds_what_pip_reads_and_nothing_heavy() -> None:
     assert dockerignore_excludes("engine/core/__pycache__/x.pyc", patterns)
 
 
+@pytest.mark.parametrize("name", [p.name for p in DOCKERFILES])
+def test_every_pip_run_gets_the_host_configuration_as_a_secret(name: str) -> None:
+    """The build's pip reads PIP_CONFIG_FILE from the secret mount, so the configuration
+    (which may name a mirror with credentials) never lands in a layer, and only the build
+    stage, which the final one leaves behind, sees it."""
+    dockerfile = parse(IMAGES / name)
+    build = dockerfile.stages[0]
+    env = " ".join(build.all("ENV"))
+    assert "PIP_CONFIG_FILE=/run/secrets/pipconf" in env
+    for run in build.all("RUN"):
+        if "pip install" in run:
+            assert run.startswith(PIP_SECRET), run
+    assert "PIP_CONFIG_FILE" not in " ".join(dockerfile.final.all("ENV"))
+
+
+def test_one_version_for_the_package_the_chart_and_the_images(capsys) -> None:
+    """pyproject.toml's version is the release: `tidegate --version` prints it (from the
+    installed metadata), the chart's appVersion repeats it, make tags the images with it and
+    passes it to their labels, and the examples and the operator's default name those tags."""
+    version = PYPROJECT["project"]["version"]
+    assert cli_version() == version, "reinstall: pip install -e ."
+    with pytest.raises(SystemExit):
+        build_parser(only=[]).parse_args(["--version"])
+    assert capsys.readouterr().out == f"tidegate {version}\n"
+    chart = yaml.safe_load((REPO / "charts" / "tidegate" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^VERSION := .*pyproject\.toml", makefile, re.MULTILINE)
+    assert re.search(r"^IMAGE_TAG \?= \$\(VERSION\)$", makefile, re.MULTILINE)
+    assert "--build-arg VERSION=$(VERSION)" in makefile
+    assert DEFAULT_ENGINE_IMAGE.rpartition(":")[2] == version
+    assert engine_version == version
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        for image in re.findall(r"image: (ghcr\.io/tidegate/\S+)", example.read_text()):
+            assert image.rpartition(":")[2] == version, (example.name, image)
+
+
 def test_make_images_builds_all_three() -> None:
     makefile = (REPO / "Makefile").read_text()
     target = makefile[makefile.index("\nimages:") :]
     for path in DOCKERFILES:
-        assert f"-f images/{path.name}" in target, path.name
+        assert f"image-{path.name.removesuffix('.Dockerfile')}" in target, path.name
+    assert "-f images/$*.Dockerfile" in target
     assert re.search(r"^\.PHONY:.*\bimages\b", makefile, re.MULTILINE)
