@@ -136,9 +136,13 @@ LOCAL_BASE ?= localhost/tidegate-base:bookworm-py3.11
 export CONTAINERS_CONF ?= $(CURDIR)/images/containers.conf
 # podman writes OCI images unless told otherwise, and OCI has no HEALTHCHECK: docker's format.
 IMAGE_FORMAT = $(if $(filter podman,$(IMAGE_ENGINE)),--format docker)
+# The revision goes in as a label of the build as well as a build argument: podman reuses a
+# cached LABEL layer whose argument changed, and the image would name an older commit.
+REVISION := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 IMAGE_BUILD = $(IMAGE_ENGINE) build $(IMAGE_FORMAT) --network host \
-	--build-arg VERSION=$(VERSION) \
-	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	--build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) \
+	--label org.opencontainers.image.version=$(VERSION) \
+	--label org.opencontainers.image.revision=$(REVISION) \
 	$$($(PYTHON) tools/pip_build_config.py --engine $(IMAGE_ENGINE) --out .cache/images/pip.conf)
 LOCAL_BASE_ARGS = --build-arg PYTHON_IMAGE=$(LOCAL_BASE) --build-arg TCMALLOC_PACKAGE=libtcmalloc-minimal4
 # engine-cpu's torch from the host's own index or wheel folder, where its pip has one.
