@@ -47,8 +47,8 @@ class Scheduler:
     blocks run out the last running request in that order is preempted by recompute: the
     newest (fcfs), the lowest priority (priority), or the newest of the tenant running most
     (fair). Under fair each tenant with work is also owed an even share of the running slots:
-    a tenant below its share starts before the others, and takes a slot back from a tenant
-    above its share when none is free (`_reclaim_slots`).
+    while a tenant below its share waits, tenants above theirs start nothing, and it takes a
+    slot back from a tenant above its share when none is free (`_reclaim_slots`).
 
     With `async_scheduling` the next step is planned while this one runs: a step that will
     sample a token for a request leaves a placeholder (`num_output_placeholders`), which the
@@ -256,10 +256,12 @@ class Scheduler:
         running_of = Counter(r.tenant for r in self.running)
         waiting_of = self.waiting.tenants
         share = max(1, self.limits.max_num_seqs // max(1, len(running_of.keys() | waiting_of)))
+        # A tenant at its own running cap is owed nothing more: it could not start one.
+        most = min(share, self.limits.max_running_per_tenant or share)
         owed = sum(
-            min(count, share - running_of[tenant])
+            min(count, most - running_of[tenant])
             for tenant, count in waiting_of.items()
-            if running_of[tenant] < share
+            if running_of[tenant] < most
         )
         return share, running_of, owed
 
@@ -476,9 +478,9 @@ class Scheduler:
         share, running_of, owed = (
             self._slot_shares() if fair else (0, Counter(r.tenant for r in self.running), 0)
         )
-        # fair: once a tenant below its share starts a request, tenants at or above theirs
-        # start none this step (their prompts would lengthen the step that gives its first
-        # token); nor do they take the slots owed to the others.
+        # fair: while a tenant below its share has a request waiting, tenants at or above
+        # theirs start none (their prompts would lengthen the step that gives its first token,
+        # or take the slot owed to it); nor in a step that started one of its requests.
         started_owed = False
         while not budget.is_spent and len(self.running) < self.limits.max_num_seqs:
             request = waiting.peek()
@@ -488,11 +490,9 @@ class Scheduler:
                 waiting.exclude(request.tenant)
                 continue
             below_share = running_of[request.tenant] < share
-            if fair and not below_share:
-                free = self.limits.max_num_seqs - len(self.running)
-                if started_owed or free <= owed:
-                    waiting.exclude(request.tenant)
-                    continue
+            if fair and not below_share and (started_owed or owed):
+                waiting.exclude(request.tenant)
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:

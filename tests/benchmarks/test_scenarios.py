@@ -274,7 +274,9 @@ def test_tenant_fairness_runs_b_alone_and_beside_a_flood_under_fcfs_and_fair(tmp
         assert "--scheduling-policy" in run["flags"]
     assert result["results"]["B alone"]["a_completed"] == 0
     assert result["results"]["A floods, fair"]["a_completed"] > 0
-    assert len(result["targets"]) == 3
+    assert len(result["targets"]) == 4
+    assert len(result["targets"]["fair, each round: B TTFT p99 / B alone"]) == 1  # one round
+    assert all(len(run["rounds"]) == 1 for run in result["results"].values())
     assert "--max-running-per-tenant" in result["results"]["A floods, fair, running cap"]["flags"]
     assert result["machine"]["load_average_1m_at_start"] >= 0
     assert "<!-- tenant-fairness -->" in readme.read_text()

@@ -204,6 +204,35 @@ def test_fair_takes_a_slot_back_from_a_flood_holding_every_slot():
     assert scheduler.num_waiting_of("B") == 2
 
 
+def test_fair_starts_no_prompt_above_its_share_while_a_tenant_below_it_waits():
+    scheduler = make_scheduler("fair", max_num_seqs=8)
+    for i in range(20):
+        scheduler.add_request(tenant_request(f"a{i}", "A", 8, max_tokens=200))
+    step(scheduler)
+    scheduler.abort_requests(["a0", "a1"])  # two slots free
+    scheduler.add_request(tenant_request("b0", "B", 8, max_tokens=200))
+    out = step(scheduler)
+    # B's first step holds B's prompt and A's decodes, none of A's waiting prompts, though
+    # a slot is free and A's turn may come first.
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["b0"]
+    assert not out.preempted_req_ids
+    # Nothing of B waits now: A takes the free slot at the next step.
+    assert [d.req_id for d in step(scheduler).scheduled_new_reqs] == ["a8"]
+
+
+def test_fair_owes_no_slot_to_a_tenant_at_its_running_cap():
+    scheduler = make_scheduler("fair", cap=1, max_num_seqs=8)
+    scheduler.add_request(tenant_request("b0", "B", 8, max_tokens=200))
+    step(scheduler)
+    for i in range(1, 4):
+        scheduler.add_request(tenant_request(f"b{i}", "B", 8, max_tokens=200))
+    scheduler.add_request(tenant_request("a0", "A", 8, max_tokens=200))
+    out = step(scheduler)
+    # B is below its share of four but at its cap of one: A starts, nobody is preempted.
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["a0"]
+    assert not out.preempted_req_ids
+
+
 def test_fair_leaves_slots_alone_while_every_tenant_is_within_its_share():
     scheduler = make_scheduler("fair", max_num_seqs=8)
     for i in range(3):
