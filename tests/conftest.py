@@ -30,7 +30,6 @@ MODEL_FIXTURES = frozenset({"tiny_llama_dir", "tiny_qwen2_dir"})
 STARTS_PROCESSES = frozenset(
     {
         "tests/benchmarks/test_scenarios.py",
-        "tests/benchmarks/test_scenarios_b.py",
         "tests/packaging/test_wheel.py",
         "tests/test_cli.py",
         "tests/engine/test_http_server.py",
