@@ -475,9 +475,11 @@ class Scheduler:
         adapters = _AdapterSlots(self.limits.max_loras, self.running)
         cap = self.limits.max_running_per_tenant
         fair = self.limits.policy == "fair"
-        share, running_of, owed = (
-            self._slot_shares() if fair else (0, Counter(r.tenant for r in self.running), 0)
-        )
+        if fair:
+            share, running_of, owed = self._slot_shares()
+        else:  # counted only for the running cap
+            share, owed = 0, 0
+            running_of = Counter(r.tenant for r in self.running) if cap is not None else Counter()
         # fair: while a tenant below its share has a request waiting, tenants at or above
         # theirs start none (their prompts would lengthen the step that gives its first token,
         # or take the slot owed to it); nor in a step that started one of its requests.

@@ -18,8 +18,8 @@ from tests.engine.entrypoints.fake_engine import (
     SyncAPI,
     parse_sse,
 )
+from tests.engine.entrypoints.test_api_properties import roomy_engine
 from tidegate.engine.entrypoints.openai.api_server import build_app
-from tidegate.engine.input_processor import InputProcessor
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT = "the cat"
@@ -162,13 +162,7 @@ def test_a_null_prompt_is_the_start_of_a_document(api, engine):
 @pytest.fixture
 def roomy(tiny_input_processor, tiny_llama_dir) -> tuple[SyncAPI, FakeEngine]:
     """The API over an engine whose context holds a prompt that lists tools."""
-    processor = InputProcessor(
-        tokenizer=tiny_input_processor.tokenizer,
-        vocab_size=tiny_input_processor.vocab_size,
-        max_model_len=4096,
-        eos_token_ids=set(tiny_input_processor.eos_token_ids),
-    )
-    engine = FakeEngine(processor.tokenizer, processor)
+    engine = roomy_engine(tiny_input_processor)
     app = build_app(engine, served_model_names=[MODEL], model_path=str(tiny_llama_dir))
     return SyncAPI(app), engine
 

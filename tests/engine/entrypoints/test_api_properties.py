@@ -57,16 +57,21 @@ def post(app, path: str, body) -> httpx.Response:
     return asyncio.run(run())
 
 
-@pytest.fixture
-def roomy_app(tiny_input_processor, tiny_llama_dir):
-    """The app with a context long enough for any valid body's prompt."""
+def roomy_engine(tiny_input_processor: InputProcessor) -> FakeEngine:
+    """A fake engine with a context long enough for any valid body's prompt."""
     processor = InputProcessor(
         tokenizer=tiny_input_processor.tokenizer,
         vocab_size=tiny_input_processor.vocab_size,
         max_model_len=4096,
         eos_token_ids=set(tiny_input_processor.eos_token_ids),
     )
-    engine = FakeEngine(processor.tokenizer, processor)
+    return FakeEngine(processor.tokenizer, processor)
+
+
+@pytest.fixture
+def roomy_app(tiny_input_processor, tiny_llama_dir):
+    """The app over `roomy_engine`."""
+    engine = roomy_engine(tiny_input_processor)
     return build_app(engine, served_model_names=[MODEL], model_path=str(tiny_llama_dir))
 
 

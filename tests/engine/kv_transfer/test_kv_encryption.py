@@ -11,7 +11,6 @@ import contextlib
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.engine.kv_transfer.test_kv_transfer_engines import (
     prefill_remotely,
     wait_until,
 )
+from tests.engine.kv_transfer.test_zmq_transport import HEADS, LAYERS, caches
 from tidegate.engine.config import (
     KV_CURVE_PUBLIC_KEY_FILE,
     KV_CURVE_SECRET_KEY_FILE,
@@ -51,8 +51,6 @@ from tidegate.engine.messages import (
     KVWorkerConfig,
 )
 from tidegate.operator.kv_keys import write_key_dir
-
-LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 2, 8
 
 
 def test_this_libzmq_has_curve() -> None:
@@ -117,22 +115,6 @@ def test_curve_needs_a_key_folder_and_serve_checks_it_before_the_model_loads(
 
 
 # -- the worker side, real sockets ----------------------------------------------------------
-
-
-def caches(fill: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (BLOCKS, BLOCK, HEADS, DIM)
-    make = (lambda: torch.randn(shape)) if fill else (lambda: torch.zeros(shape))
-    return [(make(), make()) for _ in range(LAYERS)]
-
-
-@pytest.fixture
-def events() -> Iterator[tuple[str, zmq.Socket]]:
-    ctx = zmq.Context.instance()
-    address = f"ipc://@test-kv-curve-events-{uuid.uuid4().hex}"
-    sock = ctx.socket(zmq.PULL)
-    sock.bind(address)
-    yield address, sock
-    sock.close(linger=0)
 
 
 @contextlib.contextmanager

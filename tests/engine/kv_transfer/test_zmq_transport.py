@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Iterator
 
 import msgspec
@@ -31,16 +30,6 @@ def caches(fill: bool, dtype=torch.float32) -> list[tuple[torch.Tensor, torch.Te
         else (lambda: torch.zeros(shape, dtype=dtype))
     )
     return [(make(), make()) for _ in range(LAYERS)]
-
-
-@pytest.fixture
-def events() -> Iterator[tuple[str, zmq.Socket]]:
-    ctx = zmq.Context.instance()
-    address = f"ipc://@test-kv-events-{uuid.uuid4().hex}"
-    sock = ctx.socket(zmq.PULL)
-    sock.bind(address)
-    yield address, sock
-    sock.close(linger=0)
 
 
 def worker(role: str, events_address: str, timeout_s: float = 5.0) -> ZmqConnectorWorker:
