@@ -401,13 +401,102 @@ constexpr int64_t bf16_few_rows_scratch_floats(int64_t head, int64_t rows) {
          + 3 * rows;           // row max, row sum, alpha
 }
 
+// Query rows of one KV head that one pass over a chunk's keys serves (registers: R x 2
+// score accumulators, then R x 4 output accumulators).
+constexpr int kFewRowBlock = 4;
+
+// One chunk of KEYS keys for R rows of one KV head, whose keys are already transposed into
+// `kt` ([head / 2][KEYS] bf16-pair words) and values packed in pairs of keys into `vp`
+// ([KEYS / 2][head]): each vector of K or V is loaded once and serves all R rows, whose
+// query words and probabilities are broadcast from memory into vdpbf16ps.
+template <int HEAD, int R>
+inline void few_rows_chunk(const Problem& p, int first_row, int first_row_in_head, int group,
+                           int64_t first_pos, bool all_visible, __m512 keys,
+                           const uint32_t* __restrict__ qp, float* __restrict__ acc,
+                           const uint32_t* __restrict__ kt, const uint32_t* __restrict__ vp,
+                           uint32_t* __restrict__ pw, float* __restrict__ row_max,
+                           float* __restrict__ row_sum, float* __restrict__ alpha) {
+  constexpr int W = HEAD / 2;
+  const __m512 scale = _mm512_set1_ps(p.scale_log2);
+  // Scores: two dependency chains per row (even and odd words).
+  __m512 s0[R], s1[R];
+  for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  const uint32_t* q = qp + first_row * W;
+#pragma GCC unroll 4
+  for (int w = 0; w < W; w += 2) {
+    const __m512bh k0 = as_bh(_mm512_loadu_si512(kt + w * KEYS));
+    const __m512bh k1 = as_bh(_mm512_loadu_si512(kt + (w + 1) * KEYS));
+    for (int r = 0; r < R; ++r) {
+      s0[r] = _mm512_dpbf16_ps(s0[r], k0, as_bh(_mm512_set1_epi32(static_cast<int>(q[r * W + w]))));
+      s1[r] = _mm512_dpbf16_ps(s1[r], k1,
+                               as_bh(_mm512_set1_epi32(static_cast<int>(q[r * W + w + 1]))));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int row = first_row + r;
+    __m512 sv = _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale);
+    if (!all_visible) {  // keys past the chunk's end are past every row's position
+      const float pos = static_cast<float>(first_pos + (first_row_in_head + r) / group);
+      __mmask16 hidden = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(pos), _CMP_GT_OQ);
+      if (p.window > 0) {
+        const __m512 lo = _mm512_set1_ps(pos - static_cast<float>(p.window));
+        hidden |= _mm512_cmp_ps_mask(keys, lo, _CMP_LE_OQ);
+      }
+      sv = _mm512_mask_mov_ps(sv, hidden, _mm512_set1_ps(kNegInf));
+    }
+    const float chunk_max = _mm512_reduce_max_ps(sv);
+    if (chunk_max == kNegInf) {  // nothing of this chunk is visible to the row
+      alpha[row] = 1.f;
+      std::memset(pw + row * (KEYS / 2), 0, KEYS / 2 * sizeof(uint32_t));
+      continue;
+    }
+    const float new_max = std::max(row_max[row], chunk_max);
+    alpha[row] = exp2_nonpositive(row_max[row] - new_max);  // 0 the first time
+    const __m512 e = exp2_nonpositive_v(_mm512_sub_ps(sv, _mm512_set1_ps(new_max)));
+    row_sum[row] = row_sum[row] * alpha[row] + _mm512_reduce_add_ps(e);
+    row_max[row] = new_max;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + row * (KEYS / 2)),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  // P*V, up to 4 vectors of head_dim at a time: R x 4 accumulators in registers.
+  constexpr int DG = HEAD / 16 < 4 ? HEAD / 16 : 4;
+  for (int d0 = 0; d0 < HEAD; d0 += 16 * DG) {
+    __m512 x[R][DG];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[first_row + r]);
+      for (int g = 0; g < DG; ++g) {
+        x[r][g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (first_row + r) * HEAD + d0 + 16 * g), a);
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < KEYS / 2; ++u) {
+      for (int g = 0; g < DG; ++g) {
+        const __m512bh v = as_bh(_mm512_loadu_si512(vp + u * HEAD + d0 + 16 * g));
+        for (int r = 0; r < R; ++r) {
+          const uint32_t pr = pw[(first_row + r) * (KEYS / 2) + u];
+          x[r][g] = _mm512_dpbf16_ps(x[r][g], v, as_bh(_mm512_set1_epi32(static_cast<int>(pr))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < DG; ++g) {
+        _mm512_storeu_ps(acc + (first_row + r) * HEAD + d0 + 16 * g, x[r][g]);
+      }
+    }
+  }
+}
+
 // bf16 tiles of fewer than 16 rows per KV head (decodes: the GQA group) on AVX512_BF16: keys
 // in the lanes. For each chunk of 16 keys and each KV head in turn (the chunk's slots are
 // contiguous, so each cache line is fetched once for all heads), the keys are transposed
 // into bf16-pair words ([head / 2][16]) that every row of the head multiplies against its
 // own broadcast query words, 16 scores at a time; values are packed in pairs of keys for
 // P*V, with the row's bf16 probabilities broadcast in pairs. No key or value is converted
-// to fp32. (Prefetching the next chunk's scattered block measured no faster.)
+// to fp32. Rows go kFewRowBlock at a time through few_rows_chunk, so each vector of K or V
+// is loaded once for all of them. The next chunk's keys and values are prefetched while
+// this one computes, as its block is anywhere in the cache: on a Xeon with AVX512_BF16 and
+// a cold cache, 1.19x faster on 32 decodes of 630 tokens and 1.39x on 8 (an AVX-512 EPYC
+// had measured no gain from prefetching).
 template <int HEAD>
 void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
                           const c10::BFloat16* query, const c10::BFloat16* k_cache,
@@ -450,8 +539,6 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
   const int64_t key_end = last_pos + 1;
   const int64_t key_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int32_t* table = block_table + item.seq * p.bt_row;
-  const __m512 scale = _mm512_set1_ps(p.scale_log2);
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512 lane_offsets = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
   const __m512i interleave = _mm512_set_epi16(
@@ -467,6 +554,26 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
                              (p.window == 0 || block_start > last_pos - p.window);
     const __m512 keys =
         _mm512_add_ps(_mm512_set1_ps(static_cast<float>(block_start)), lane_offsets);
+    if (block_start + KEYS < key_end) {
+      // The next chunk's keys and values, while this one computes: its block is anywhere
+      // in the cache, so the hardware prefetcher cannot guess it.
+      const int64_t next = block_start + KEYS;
+      const int64_t next_block = table[next / p.block_size];
+      const int64_t next_slot = next % p.block_size;
+      const int n_next = static_cast<int>(std::min<int64_t>(KEYS, key_end - next));
+      for (int h = 0; h < heads; ++h) {
+        const char* kn = reinterpret_cast<const char*>(
+            k_cache + next_block * p.kc_blk + next_slot * p.kc_slot + (item.head_lo + h) * p.kc_head);
+        const char* vn = reinterpret_cast<const char*>(
+            v_cache + next_block * p.vc_blk + next_slot * p.vc_slot + (item.head_lo + h) * p.vc_head);
+        for (int t = 0; t < n_next; ++t) {
+          for (int b = 0; b < HEAD * 2; b += 64) {
+            _mm_prefetch(kn + t * p.kc_slot * 2 + b, _MM_HINT_T0);
+            _mm_prefetch(vn + t * p.vc_slot * 2 + b, _MM_HINT_T0);
+          }
+        }
+      }
+    }
     for (int h = 0; h < heads; ++h) {
       const int kv_head = item.head_lo + h;
       const c10::BFloat16* kb =
@@ -493,56 +600,19 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
           _mm512_storeu_si512(vp + u * HEAD + d, _mm512_permutexvar_epi16(interleave, ab));
         }
       }
-      for (int r = 0; r < rows; ++r) {
-        const int row = h * rows + r;
-        // Two accumulators: two dependency chains through the dot products.
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        const uint32_t* q = qp + row * W;
-#pragma GCC unroll 8
-        for (int w = 0; w < W; w += 2) {
-          s0 = _mm512_dpbf16_ps(s0, as_bh(_mm512_set1_epi32(static_cast<int>(q[w]))),
-                                as_bh(_mm512_loadu_si512(kt + w * KEYS)));
-          s1 = _mm512_dpbf16_ps(s1, as_bh(_mm512_set1_epi32(static_cast<int>(q[w + 1]))),
-                                as_bh(_mm512_loadu_si512(kt + (w + 1) * KEYS)));
-        }
-        __m512 sv = _mm512_mul_ps(_mm512_add_ps(s0, s1), scale);
-        if (!all_visible) {  // keys past the chunk's end are past every row's position
-          const float pos = static_cast<float>(first_pos + r / group);
-          __mmask16 hidden = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(pos), _CMP_GT_OQ);
-          if (p.window > 0) {
-            const __m512 lo = _mm512_set1_ps(pos - static_cast<float>(p.window));
-            hidden |= _mm512_cmp_ps_mask(keys, lo, _CMP_LE_OQ);
-          }
-          sv = _mm512_mask_mov_ps(sv, hidden, neg_inf);
-        }
-        const float chunk_max = _mm512_reduce_max_ps(sv);
-        if (chunk_max == kNegInf) {  // nothing of this chunk is visible to the row
-          alpha[row] = 1.f;
-          std::memset(pw + row * (KEYS / 2), 0, KEYS / 2 * sizeof(uint32_t));
-          continue;
-        }
-        const float new_max = std::max(row_max[row], chunk_max);
-        alpha[row] = exp2_nonpositive(row_max[row] - new_max);  // 0 the first time
-        const __m512 e = exp2_nonpositive_v(_mm512_sub_ps(sv, _mm512_set1_ps(new_max)));
-        row_sum[row] = row_sum[row] * alpha[row] + _mm512_reduce_add_ps(e);
-        row_max[row] = new_max;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + row * (KEYS / 2)),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-      }
-      for (int r = 0; r < rows; ++r) {
-        const int row = h * rows + r;
-        const __m512 a = _mm512_set1_ps(alpha[row]);
-        const uint32_t* pr = pw + row * (KEYS / 2);
-#pragma GCC unroll 16
-        for (int d = 0; d < HEAD; d += 16) {
-          float* dst = acc + row * HEAD + d;
-          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(dst), a);
-#pragma GCC unroll 8
-          for (int u = 0; u < KEYS / 2; ++u) {
-            x = _mm512_dpbf16_ps(x, as_bh(_mm512_set1_epi32(static_cast<int>(pr[u]))),
-                                 as_bh(_mm512_loadu_si512(vp + u * HEAD + d)));
-          }
-          _mm512_storeu_ps(dst, x);
+      for (int lo = 0; lo < rows; lo += kFewRowBlock) {
+        const int first_row = h * rows + lo;
+        switch (std::min(kFewRowBlock, rows - lo)) {
+#define TIDEGATE_FEW(R)                                                                    \
+  case R:                                                                                 \
+    few_rows_chunk<HEAD, R>(p, first_row, lo, group,            first_pos, all_visible,   \
+                            keys, qp, acc, kt, vp, pw, row_max, row_sum, alpha);           \
+    break;
+          TIDEGATE_FEW(1)
+          TIDEGATE_FEW(2)
+          TIDEGATE_FEW(3)
+          TIDEGATE_FEW(4)
+#undef TIDEGATE_FEW
         }
       }
     }
