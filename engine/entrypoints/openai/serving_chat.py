@@ -213,19 +213,23 @@ class ChatServing:
         output: RequestOutput,
         calls: ChoiceToolCalls | None,
     ) -> list[ChatCompletionChunk]:
-        """One delta as chunks: none for text held back (a stop-string or a call's prefix).
+        """One delta as chunks: none for a delta of no token, or for text a tool-call parser
+        holds back (a call's prefix).
 
-        With calls, a call's start and its arguments are chunks of their own; the delta's
-        logprobs go with the first chunk, its finish_reason with the last.
+        Without calls, a step that made tokens but no text yet (a held-back stop-string
+        prefix, bytes of an incomplete character) gets a chunk with empty content, as vLLM
+        sends it: clients count chunks as tokens and time the gaps between them. With calls,
+        a call's start and its arguments are chunks of their own; the delta's logprobs go with
+        the first chunk, its finish_reason with the last.
         """
         delta = output.outputs[0]
         has_logprobs = body.logprobs and bool(delta.token_ids)
         finished = delta.finish_reason is not None
         finish_reason = delta.finish_reason
         if calls is None:
-            messages = [DeltaMessage(content=delta.text or None)]
-            if not delta.text and not finished and not has_logprobs:
+            if not delta.text and not delta.token_ids and not finished:
                 return []
+            messages = [DeltaMessage(content=delta.text or ("" if delta.token_ids else None))]
         else:
             messages = calls.deltas(delta.text, finished)
             finish_reason = calls.finish_reason(finish_reason)

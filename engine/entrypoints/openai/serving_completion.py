@@ -129,10 +129,14 @@ class CompletionServing:
         output: RequestOutput,
         text_offsets: list[int],
     ) -> CompletionResponse | None:
-        """One delta as a chunk; None for a held-back stop-string prefix (nothing to show)."""
+        """One delta as a chunk; None for a delta of no token (nothing happened).
+
+        A step that made tokens but no text yet (a held-back stop-string prefix, or bytes of
+        a character still incomplete) still gets its chunk, with empty text, as vLLM sends
+        it: clients and benchmarks count chunks as tokens and time the gaps between them.
+        """
         delta = output.outputs[0]
-        has_logprobs = body.logprobs is not None and bool(delta.token_ids)
-        if not delta.text and delta.finish_reason is None and not has_logprobs:
+        if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return None
         logprobs = self._logprobs(body, delta.token_ids, delta.logprobs or [], text_offsets[index])
         if logprobs is not None:

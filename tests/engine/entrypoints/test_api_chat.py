@@ -86,7 +86,9 @@ def test_stream_role_first_then_content_then_finish_then_usage(api, engine):
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert all("role" not in c["delta"] for c in mine[1:])
         contents = [c["delta"].get("content") for c in mine[1:]]
-        assert all(contents), "no empty content deltas"
+        # One chunk per step: the step whose text is held back sends empty content.
+        assert len(contents) == 4 and contents[1] == ""
+        assert all(contents[:1] + contents[2:])
         assert "".join(contents) == engine.tokenizer.decode(engine.script_ids[:4])
         assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
     # Both role chunks come before any content.
@@ -95,7 +97,7 @@ def test_stream_role_first_then_content_then_finish_then_usage(api, engine):
     assert usage_chunk["usage"]["completion_tokens"] == 8
 
 
-def test_finish_chunk_without_new_text_has_an_empty_delta(api, engine):
+def test_steps_without_new_text_send_empty_content_and_the_last_carries_it_all(api, engine):
     engine.held_back_steps = {0, 1, 2}  # the last output carries all the text ...
     events = parse_sse(
         api.post(
@@ -104,8 +106,10 @@ def test_finish_chunk_without_new_text_has_an_empty_delta(api, engine):
         )
     )
     deltas = [e["choices"][0] for e in events[:-1]]
-    assert len(deltas) == 2 and deltas[1]["finish_reason"] == "length"
-    assert deltas[1]["delta"] == {"content": engine.tokenizer.decode(engine.script_ids[:3])}
+    # The role, then one chunk per step: empty while the text is held back.
+    assert [d["delta"] for d in deltas[1:3]] == [{"content": ""}] * 2
+    assert len(deltas) == 4 and deltas[3]["finish_reason"] == "length"
+    assert deltas[3]["delta"] == {"content": engine.tokenizer.decode(engine.script_ids[:3])}
 
 
 def test_logprobs_in_the_chat_format(api, engine):

@@ -189,15 +189,19 @@ def test_stream_usage_comes_last_with_no_choices(api, engine):
     assert all(c["usage"] is None for c in chunks)
 
 
-def test_stream_skips_deltas_with_no_text(api, engine):
-    engine.held_back_steps = {1, 2}  # like a stop-string prefix the engine holds back
+def test_stream_sends_a_chunk_per_step_even_with_no_new_text(api, engine):
+    # Like a stop-string prefix the engine holds back, or bytes of an incomplete character:
+    # the step still gets its chunk (as vLLM sends it), so that clients counting chunks as
+    # tokens, and timing the gaps between them, see every step.
+    engine.held_back_steps = {1, 2}
     events = parse_sse(
         api.post(
             "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 5, "stream": True}
         )
     )
     texts = [e["choices"][0]["text"] for e in events[:-1]]
-    assert all(texts) and len(texts) == 3
+    assert len(texts) == 5 and texts[1] == texts[2] == ""
+    assert all(texts[:1] + texts[3:])
     assert "".join(texts) == script_prefix(engine, 5)
 
 
