@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from cpu_attention import make_batch
+from cpu_attention import HEAD_DIM, NUM_KV_HEADS, make_batch
 
 import tidegate.engine.attention.cpu_attention as cpu_attention
 
@@ -45,7 +45,7 @@ def main() -> None:
     if args.source is not None:
         cpu_attention.SOURCE = args.source.resolve()
     backend = cpu_attention.CpuAttentionBackend()
-    scale = 64**-0.5
+    scale = HEAD_DIM**-0.5
     rows = []
     for decodes, context in CASES:
         chunks = [(context, 1)] * decodes
@@ -62,7 +62,7 @@ def main() -> None:
             for layer in layers:
                 backend.attend(*layer, scale)
             cold.append((time.perf_counter() - start) / args.layers * 1e6)
-        kv_bytes = decodes * context * 4 * 64 * 2 * 2
+        kv_bytes = decodes * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
         row = {
             "decodes": decodes,
             "context": context,

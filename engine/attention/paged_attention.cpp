@@ -539,6 +539,15 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
   const int64_t key_end = last_pos + 1;
   const int64_t key_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int32_t* table = block_table + item.seq * p.bt_row;
+  // Where the keys and values of the chunk starting at key `start` begin for a KV head.
+  const auto k_at = [&](int64_t start, int kv_head) {
+    return k_cache + table[start / p.block_size] * p.kc_blk + start % p.block_size * p.kc_slot +
+           kv_head * p.kc_head;
+  };
+  const auto v_at = [&](int64_t start, int kv_head) {
+    return v_cache + table[start / p.block_size] * p.vc_blk + start % p.block_size * p.vc_slot +
+           kv_head * p.vc_head;
+  };
   const __m512 lane_offsets = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
   const __m512i interleave = _mm512_set_epi16(
@@ -548,38 +557,29 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
   for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
     const int64_t block_start = chunk * KEYS;
     const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
-    const int64_t block = table[block_start / p.block_size];
-    const int64_t slot = block_start % p.block_size;
     const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
                              (p.window == 0 || block_start > last_pos - p.window);
     const __m512 keys =
         _mm512_add_ps(_mm512_set1_ps(static_cast<float>(block_start)), lane_offsets);
-    if (block_start + KEYS < key_end) {
+    if (const int64_t next = block_start + KEYS; next < key_end) {
       // The next chunk's keys and values, while this one computes: its block is anywhere
       // in the cache, so the hardware prefetcher cannot guess it.
-      const int64_t next = block_start + KEYS;
-      const int64_t next_block = table[next / p.block_size];
-      const int64_t next_slot = next % p.block_size;
       const int n_next = static_cast<int>(std::min<int64_t>(KEYS, key_end - next));
-      for (int h = 0; h < heads; ++h) {
-        const char* kn = reinterpret_cast<const char*>(
-            k_cache + next_block * p.kc_blk + next_slot * p.kc_slot + (item.head_lo + h) * p.kc_head);
-        const char* vn = reinterpret_cast<const char*>(
-            v_cache + next_block * p.vc_blk + next_slot * p.vc_slot + (item.head_lo + h) * p.vc_head);
+      for (int kv_head = item.head_lo; kv_head < item.head_hi; ++kv_head) {
+        const c10::BFloat16* kn = k_at(next, kv_head);
+        const c10::BFloat16* vn = v_at(next, kv_head);
         for (int t = 0; t < n_next; ++t) {
-          for (int b = 0; b < HEAD * 2; b += 64) {
-            _mm_prefetch(kn + t * p.kc_slot * 2 + b, _MM_HINT_T0);
-            _mm_prefetch(vn + t * p.vc_slot * 2 + b, _MM_HINT_T0);
+          for (int e = 0; e < HEAD; e += 64 / sizeof(c10::BFloat16)) {  // a cache line
+            _mm_prefetch(reinterpret_cast<const char*>(kn + t * p.kc_slot + e), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vn + t * p.vc_slot + e), _MM_HINT_T0);
           }
         }
       }
     }
     for (int h = 0; h < heads; ++h) {
       const int kv_head = item.head_lo + h;
-      const c10::BFloat16* kb =
-          k_cache + block * p.kc_blk + slot * p.kc_slot + kv_head * p.kc_head;
-      const c10::BFloat16* vb =
-          v_cache + block * p.vc_blk + slot * p.vc_slot + kv_head * p.vc_head;
+      const c10::BFloat16* kb = k_at(block_start, kv_head);
+      const c10::BFloat16* vb = v_at(block_start, kv_head);
       // Keys past the sequence's end (stale data, even NaN) read as zeros.
       for (int wb = 0; wb < W; wb += kLanes) {
         __m512i k[KEYS];
@@ -605,8 +605,8 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
         switch (std::min(kFewRowBlock, rows - lo)) {
 #define TIDEGATE_FEW(R)                                                                    \
   case R:                                                                                 \
-    few_rows_chunk<HEAD, R>(p, first_row, lo, group,            first_pos, all_visible,   \
-                            keys, qp, acc, kt, vp, pw, row_max, row_sum, alpha);           \
+    few_rows_chunk<HEAD, R>(p, first_row, lo, group, first_pos, all_visible, keys, qp,  \
+                            acc, kt, vp, pw, row_max, row_sum, alpha);                    \
     break;
           TIDEGATE_FEW(1)
           TIDEGATE_FEW(2)
