@@ -4,7 +4,8 @@ Shapes of the small model's attention (12 query heads, 4 KV heads, head size 64)
 block size 16, block ids shuffled as a long-running server leaves them; one layer's call,
 with torch's threads as the engine sets them. The torch backend gathers each context out of
 the cache and runs SDPA (one batched call for the decodes, one per prefill chunk); the `cpu`
-backend reads the cache in place, the whole batch in one call. Scenarios are the batches a
+backend reads the cache in place, the whole batch in one call. Each backend gets the same
+keys and values in its own cache layout (standard for torch, packed for cpu). Scenarios are the batches a
 serving step of the benchmark workload makes: 32 decodes of 128-640 tokens, the same at
 2,048 tokens, one 512-token fresh prompt, a 512-token chunk after 2,048 cached tokens (the
 prefill-stall case), that chunk beside 31 decodes, a 16-token chunk after 3,000 cached tokens
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tidegate.engine.attention import TorchAttentionBackend
-from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.attention.backend import AttentionMetadata, KVLayout
 from tidegate.engine.attention.cpu_attention import AMX_MAX_KERNEL_QUERY_LEN, CpuAttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,7 @@ def scenarios(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
 
 
 def make_batch(chunks, rng: random.Random, dtype: torch.dtype):
+    """(query, k_cache, v_cache, meta), the caches in the standard layout."""
     needed = [-(-(c + q) // BLOCK_SIZE) for c, q in chunks]
     num_blocks = sum(needed) + 8
     free = list(range(num_blocks))
@@ -82,6 +84,12 @@ def make_batch(chunks, rng: random.Random, dtype: torch.dtype):
     k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM).to(dtype)
     return query, k_cache, v_cache, meta
+
+
+def in_layout(batch, layout: KVLayout):
+    """The batch with its caches in a backend's layout (the cpu backend's is packed)."""
+    query, k_cache, v_cache, meta = batch
+    return (query, *layout.from_standard(k_cache, v_cache), meta)
 
 
 def time_calls(calls: dict, warmup: int, iters: int, repeats: int) -> dict[str, float]:
@@ -121,7 +129,9 @@ def main() -> None:
     rows = []
     for name, chunks in scenarios(rng).items():
         batch = make_batch(chunks, rng, dtype)
-        calls = {n: partial(b.attend, *batch, scale) for n, b in backends.items()}
+        layouts = {b.kv_layout for b in backends.values()}
+        batches = {layout: in_layout(batch, layout) for layout in layouts}
+        calls = {n: partial(b.attend, *batches[b.kv_layout], scale) for n, b in backends.items()}
         outs = {n: fn() for n, fn in calls.items()}
         times = time_calls(calls, 2, args.iters, args.repeats)
         row = {"scenario": name, "tokens": batch[3].num_tokens}

@@ -7,15 +7,22 @@ import os
 
 import torch
 
-from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
+from tidegate.engine.attention.backend import (
+    STANDARD_KV_LAYOUT,
+    AttentionBackend,
+    AttentionMetadata,
+    KVLayout,
+)
 from tidegate.engine.attention.torch_attention import TorchAttentionBackend
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "STANDARD_KV_LAYOUT",
     "AttentionBackend",
     "AttentionMetadata",
+    "KVLayout",
     "TorchAttentionBackend",
     "get_attention_backend",
 ]

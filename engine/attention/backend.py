@@ -31,22 +31,60 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # int32 [num_seqs]
 
 
+class KVLayout:
+    """How a backend stores one layer's paged keys and values.
+
+    This base class is the standard layout: k_cache and v_cache each
+    `[num_blocks, block_size, num_kv_heads, head_dim]`, as the torch and triton backends keep
+    them and as KV transfer sends them. A backend whose kernel reads another order subclasses
+    it; the conversions take and give whole blocks.
+    """
+
+    name = "standard"
+
+    def shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's k_cache (v_cache has the same)."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def to_standard(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks as stored (e.g. `cache.index_select(0, ids)`) -> standard `[n, block_size,
+        num_kv_heads, head_dim]` keys and values."""
+        return keys, values
+
+    def from_standard(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standard blocks -> blocks as stored, for `cache.index_copy_(0, ids, ...)`."""
+        return keys, values
+
+
+STANDARD_KV_LAYOUT = KVLayout()
+
+
 class AttentionBackend(Protocol):
-    """What every backend (torch, triton) provides; the model calls only these two.
+    """What every backend (torch, triton, cpu) provides; the model calls only these two.
 
     `cuda_graph_safe`: during a step the backend reads only device tensors of the metadata
     (never its host copies or a device value synced to the host), so a CUDA graph captured
     with one metadata object stays right when the buffers behind it change.
+
+    `kv_layout`: how k_cache and v_cache are laid out; the model runner allocates them with
+    its `shape`, and KV transfer converts blocks through it to and from the standard layout.
     """
 
     name: str
     cuda_graph_safe: bool
+    kv_layout: KVLayout
 
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # shaped by kv_layout
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None: ...

@@ -6,6 +6,15 @@ flat batch; the torch backend instead copies every context out of the cache firs
 built with torch's extension loader (ninja and a C++ compiler, which the CPU engine already
 needs for inductor) for this machine's instruction set, and cached under
 ~/.cache/tidegate/cpu_kernels (or $TIDEGATE_CPU_KERNELS_DIR), so later processes only load it.
+
+Its cache is not in the standard layout: each layer's k_cache and v_cache are
+`[num_blocks, num_kv_heads, block_size, head_dim]` (`PackedKVLayout`), and within one block
+and KV head the keys are stored transposed into words of two dims, `[block_size/16]
+[head_dim/2][16][2]`, and the values in pairs of keys, `[block_size/16][8][head_dim][2]`
+(the same order in every dtype).
+That is the order in which AMX tiles and AVX512_BF16 dot products (vdpbf16ps) take their
+operands, so the decode kernel loads keys and values straight from the cache, with no
+transposing or packing per step. KV transfer converts blocks to the standard layout and back.
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tidegate.engine.attention.backend import AttentionMetadata
-from tidegate.engine.attention.torch_attention import attend_chunk
+from tidegate.engine.attention.backend import AttentionMetadata, KVLayout
+from tidegate.engine.attention.torch_attention import attend_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +152,58 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard blocks `[n, block_size, Hkv, D]` -> the packed layout `[n, Hkv, block_size, D]`.
+
+    Per block and head, key t, dim d sits at `((t//16)*(D/2) + d//2)*32 + (t%16)*2 + d%2`,
+    value t, dim d at `((t//16)*8 + (t%16)//2)*2D + d*2 + t%2`.
+    """
+    n, block_size, heads, dim = keys.shape
+    chunks, pairs = block_size // KEY_CHUNK, KEY_CHUNK // 2
+    k = keys.reshape(n, chunks, KEY_CHUNK, heads, dim // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    v = values.reshape(n, chunks, pairs, 2, heads, dim).permute(0, 4, 1, 2, 5, 3)
+    return k.reshape(n, heads, block_size, dim), v.reshape(n, heads, block_size, dim)
+
+
+def unpack_kv(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed blocks `[n, Hkv, block_size, D]` -> standard `[n, block_size, Hkv, D]`."""
+    n, heads, block_size, dim = keys.shape
+    chunks, pairs = block_size // KEY_CHUNK, KEY_CHUNK // 2
+    k = keys.reshape(n, heads, chunks, dim // 2, KEY_CHUNK, 2).permute(0, 2, 4, 1, 3, 5)
+    v = values.reshape(n, heads, chunks, pairs, dim, 2).permute(0, 2, 3, 5, 1, 4)
+    return k.reshape(n, block_size, heads, dim), v.reshape(n, block_size, heads, dim)
+
+
+class PackedKVLayout(KVLayout):
+    """The cpu backend's cache layout (module docstring): keys transposed into pairs of
+    dims, values into pairs of keys, per (block, KV head)."""
+
+    name = "cpu-packed"
+
+    def shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        if block_size % KEY_CHUNK or head_dim % 2:
+            raise ValueError(
+                f"the packed KV layout needs a block size that is a multiple of {KEY_CHUNK} "
+                f"and an even head size, not {block_size} and {head_dim}"
+            )
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def to_standard(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_kv(keys, values)
+
+    def from_standard(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack_kv(keys, values)
+
+
+PACKED_KV_LAYOUT = PackedKVLayout()
+
+
 def default_max_kernel_query_len() -> int:
     """The longest chunk the kernel takes on this CPU (0: every chunk)."""
     return AMX_MAX_KERNEL_QUERY_LEN if "amx_bf16" in _cpu_flags().split() else 0
@@ -156,10 +217,14 @@ class CpuAttentionBackend:
     runs it on oneDNN's tile kernels several times faster than the kernel's vector loops
     (benchmarks/cpu_attention.py): those chunks take the torch backend's path, one SDPA call
     each over their gathered keys. `max_kernel_query_len` 0 sends every chunk to the kernel.
+
+    The caches are in the packed layout (`kv_layout`, module docstring) that the kernel
+    reads; a chunk for SDPA gathers its blocks and unpacks them to the standard order.
     """
 
     name = "cpu"
     cuda_graph_safe = False  # a CPU backend: there are no CUDA graphs to capture
+    kv_layout = PACKED_KV_LAYOUT
 
     def __init__(
         self, sliding_window: int | None = None, max_kernel_query_len: int | None = None
@@ -211,15 +276,20 @@ class CpuAttentionBackend:
             self.max_kernel_query_len,
         )
         if self.max_kernel_query_len > 0 and meta.max_query_len > self.max_kernel_query_len:
+            block_size = k_cache.shape[2]  # packed: [blocks, heads, block, dim]
             query_lens = starts[1:] - starts[:-1]
             for i in (query_lens > self.max_kernel_query_len).nonzero().flatten().tolist():
                 start, end = int(starts[i]), int(starts[i + 1])
-                out[start:end] = attend_chunk(
+                seq_len = int(seq_lens[i])
+                blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
+                keys, values = unpack_kv(
+                    k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+                )
+                out[start:end] = attend_gathered(
                     query[start:end],
-                    k_cache,
-                    v_cache,
-                    meta.block_table[i],
-                    int(seq_lens[i]),
+                    keys.flatten(0, 1),
+                    values.flatten(0, 1),
+                    seq_len,
                     softmax_scale,
                 )
         return out

@@ -20,7 +20,7 @@ import torch
 
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block, Hkv, D]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), in the backend's kv_layout
 
 
 @dataclass

@@ -1,19 +1,28 @@
 // CPU paged attention: every new token of a flat batch attends to its sequence's keys,
 // read in place from the paged cache through the block table (no gathered copy).
 //
+// The cache layout is this backend's own ("cpu-packed"): each layer's k_cache and v_cache
+// are [blocks, kv_heads, block_size, head_dim], and each (block, KV head) holds tiles of
+// KEYS keys, K as [head_dim / 2][KEYS][2] and V as [KEYS / 2][head_dim][2]. A key tile is
+// what a dot product over head_dim takes with the keys in the lanes (16 keys' bf16 pairs per
+// 512-bit vector, as vdpbf16ps or an AMX B tile of Q*K^T takes them), and a value tile what
+// P*V takes (pairs of keys in each 32-bit word), so decodes need no transposing or packing
+// per step.
+// reshape_and_cache writes new tokens so; KV transfer converts to the standard layout.
+//
 // Work is split into items (sequence, tile of up to kQueryTile new tokens), taken by
 // torch's intra-op threads from a shared counter, so a long chunk's tiles and many short
-// decodes spread evenly; a tile that attends to many keys becomes one item per KV head. An
-// item walks its keys in chunks of KEYS tokens and, for each chunk, each of its KV heads in
-// turn: a chunk's slots are contiguous in the cache, so each cache line is read from memory
-// once. Each head's keys and values are converted to fp32 once per
-// chunk and serve every query row of the head (the GQA group times the tile's tokens), RB
-// rows at a time so that one vector load feeds RB rows' FMAs. Softmax is online (flash
-// style) in fp32, in base 2 (the query is scaled by scale * log2(e)). The inner loops run
-// over a chunk's keys or over head_dim, both compile-time sizes, so the compiler vectorizes
-// them for the ISA it is given (AVX-512 with -march=native here, AVX2 with x86-64-v3).
-// Built for a CPU with AVX512_BF16, bf16 tiles of 16 rows or more take attend_rows_bf16
-// instead: intrinsics on vdpbf16ps with rows in the vector lanes (see there).
+// decodes spread evenly; a tile that attends to many keys becomes one item per KV head.
+// Softmax is online (flash style) in fp32, in base 2 (scores are scaled by
+// scale * log2(e)). Three paths:
+// - attend_item, any dtype and ISA: keys in chunks of KEYS, converted to fp32 once per chunk
+//   and head, serving every query row of the head (the GQA group times the tile's tokens);
+//   plain loops the compiler vectorizes for the ISA it is given (AVX-512 with
+//   -march=native, AVX2 with x86-64-v3).
+// - bf16 on AVX512_BF16, tiles of 16 rows or more: attend_rows_bf16, vdpbf16ps with rows
+//   in the lanes.
+// - bf16 on AVX512_BF16, fewer rows (decodes): attend_few_rows_bf16, vdpbf16ps with keys
+//   in the lanes.
 //
 // Ops (namespace tidegate_cpu):
 //   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -98,12 +107,24 @@ struct Item {
 struct Problem {
   int64_t num_heads, num_kv_heads, group, head_dim;
   int64_t q_tok, q_head, o_tok, o_head;               // query/out strides
-  int64_t kc_blk, kc_slot, kc_head, vc_blk, vc_slot, vc_head;  // cache strides
+  int64_t cache_blk, cache_head, tile_elems;  // elements per block, block-head, tile
   int64_t bt_row, max_blocks, block_size;
   float scale_log2;  // softmax scale * log2(e)
   int64_t window;    // 0: none
 };
 
+// The caches' layout (see the top of the file): the KEYS-key tile of a sequence's keys or
+// values that holds position `start` (a multiple of KEYS), for KV head h.
+template <typename T>
+inline const T* cache_tile(const Problem& p, const T* cache, const int32_t* table, int64_t start,
+                           int64_t h) {
+  return cache + table[start / p.block_size] * p.cache_blk + h * p.cache_head +
+         start % p.block_size / KEYS * p.tile_elems;
+}
+// Offsets of key t, element d within a tile: K as [head / 2][KEYS][2], V as
+// [KEYS / 2][head][2].
+inline int64_t k_offset(int t, int d) { return (d >> 1) * (2 * KEYS) + 2 * t + (d & 1); }
+inline int64_t v_offset(int t, int d, int64_t head) { return (t >> 1) * 2 * head + 2 * d + (t & 1); }
 
 #ifdef TIDEGATE_BF16_TILES
 // bf16 tiles on AVX512_BF16 (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes
@@ -122,6 +143,18 @@ constexpr int kKeyGroup = 4;     // keys whose scores accumulate together in reg
 constexpr int kBf16MinRows = kLanes;
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// A tile of values whose keys from n on are past the sequence's end (stale data, even NaN),
+// copied with those keys' halves of each word zeroed: 0 * NaN would poison P*V.
+template <int HEAD>
+inline const uint32_t* partial_values(const uint32_t* tile, int n, uint32_t* copy) {
+  for (int u = 0; u < KEYS / 2; ++u) {
+    const uint32_t keep = 2 * u + 1 < n ? 0xffffffffu : (2 * u < n ? 0x0000ffffu : 0u);
+    for (int d = 0; d < HEAD; ++d) copy[u * HEAD + d] = tile[u * HEAD + d] & keep;
+  }
+  return copy;
+}
+
 
 // exp2_nonpositive on 16 lanes: the same split and polynomial.
 inline __m512 exp2_nonpositive_v(__m512 x) {
@@ -173,8 +206,8 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
   float* __restrict__ acc = scratch + W * R;                        // [HEAD][R]
   float* __restrict__ s = acc + HEAD * R;                           // [KEYS][R]
   uint32_t* __restrict__ pp = reinterpret_cast<uint32_t*>(s + KEYS * R);  // [KEYS/2][R]
-  uint32_t* __restrict__ vp = pp + KEYS / 2 * R;                    // [KEYS/2][HEAD]
-  float* __restrict__ row_max = reinterpret_cast<float*>(vp + KEYS / 2 * HEAD);
+  uint32_t* __restrict__ vz = pp + KEYS / 2 * R;                    // [KEYS/2][HEAD]
+  float* __restrict__ row_max = reinterpret_cast<float*>(vz + KEYS / 2 * HEAD);
   float* __restrict__ row_sum = row_max + R;
   float* __restrict__ pos = row_sum + R;  // each row's position, as a float (exact < 2^24)
   float* __restrict__ alpha = pos + R;
@@ -201,7 +234,6 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
       p.window > 0 ? std::max<int64_t>(0, block_first_pos - p.window + 1) : 0;
   const int32_t* table = block_table + item.seq * p.bt_row;
   const float scale = p.scale_log2;
-  alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
   // vpermw indices that interleave two 16-element halves: (a0, b0, a1, b1, ...).
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -210,19 +242,13 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
   for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
     const int64_t block_start = chunk * KEYS;
     const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
-    const int64_t block = table[block_start / p.block_size];
-    const int64_t slot = block_start % p.block_size;
     const bool all_visible = n == KEYS && block_start + KEYS - 1 <= block_first_pos &&
                              (p.window == 0 || block_start > last_pos - p.window);
-    const c10::BFloat16* kb = k_cache + block * p.kc_blk + slot * p.kc_slot + h * p.kc_head;
-    const c10::BFloat16* vb = v_cache + block * p.vc_blk + slot * p.vc_slot + h * p.vc_head;
-    // Keys past the sequence's end (stale data, even NaN) read as zeros.
-    const c10::BFloat16* krows[KEYS];
-    const c10::BFloat16* vrows[KEYS];
-    for (int t = 0; t < KEYS; ++t) {
-      krows[t] = t < n ? kb + t * p.kc_slot : zero_row;
-      vrows[t] = t < n ? vb + t * p.vc_slot : zero_row;
-    }
+    // Keys past the sequence's end (stale data, even NaN) are masked; their values read as
+    // zeros (partial_values).
+    const uint32_t* kw = reinterpret_cast<const uint32_t*>(cache_tile(p, k_cache, table, block_start, h));
+    const uint32_t* vp = reinterpret_cast<const uint32_t*>(cache_tile(p, v_cache, table, block_start, h));
+    if (n < KEYS) vp = partial_values<HEAD>(vp, n, vz);
 
     // Scores: s[t][r] = q_r . k_t, kKeyGroup keys by RV row vectors in registers.
     for (int t0 = 0; t0 < KEYS; t0 += kKeyGroup) {
@@ -231,15 +257,13 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
       for (int j = 0; j < kKeyGroup; ++j)
 #pragma GCC unroll 4
         for (int v = 0; v < RV; ++v) sc[j][v] = _mm512_setzero_ps();
-      const uint32_t* kw[kKeyGroup];
-      for (int j = 0; j < kKeyGroup; ++j) kw[j] = reinterpret_cast<const uint32_t*>(krows[t0 + j]);
       for (int w = 0; w < W; ++w) {
         __m512i qv[RV];
 #pragma GCC unroll 4
         for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_si512(qp + w * R + v * kLanes);
 #pragma GCC unroll 16
         for (int j = 0; j < kKeyGroup; ++j) {
-          const __m512i kv = _mm512_set1_epi32(static_cast<int>(kw[j][w]));
+          const __m512i kv = _mm512_set1_epi32(static_cast<int>(kw[w * KEYS + t0 + j]));
 #pragma GCC unroll 4
           for (int v = 0; v < RV; ++v) sc[j][v] = _mm512_dpbf16_ps(sc[j][v], as_bh(qv[v]), as_bh(kv));
         }
@@ -298,18 +322,6 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
         _mm512_storeu_si512(pp + u * R + v * kLanes, _mm512_permutexvar_epi16(interleave, halves));
       }
     }
-    // Values in pairs of keys: word (v[2u][d], v[2u+1][d]).
-    for (int u = 0; u < KEYS / 2; ++u) {
-      const c10::BFloat16* even = vrows[2 * u];
-      const c10::BFloat16* odd = vrows[2 * u + 1];
-#pragma GCC unroll 16
-      for (int d = 0; d < HEAD; d += 16) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d));
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-        _mm512_storeu_si512(vp + u * HEAD + d, _mm512_permutexvar_epi16(interleave, ab));
-      }
-    }
     // acc[d][r] = acc[d][r] * alpha[r] + sum over keys of p[t][r] * v[t][d].
 #pragma GCC unroll 4
     for (int v = 0; v < RV; ++v) {
@@ -366,266 +378,200 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
   }
 }
 
-// Transposes 16 rows of 16 32-bit words in registers: row k of the result is column k.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+// Decodes: tiles of fewer than kBf16MinRows rows per KV head (the GQA group times the
+// tile's tokens). Each KV head's keys and values are read straight from the cache, whose
+// layout is what vdpbf16ps takes: keys as bf16-pair words with 16 keys in a vector, against
+// a row's broadcast query words; values in pairs of keys, against a row's broadcast pair of
+// probabilities. Nothing is transposed or packed per step. The online softmax steps over
+// two tiles (2 * KEYS keys).
+struct FewRows {
+  int64_t h;                          // KV head
+  int64_t key_begin, key_end;         // keys [key_begin, key_end) of the sequence
+  int64_t first_pos, last_pos;        // positions of the tile's first and last rows
+  const int32_t* table;               // the sequence's block table row
+  int rows;                           // rows of this KV head
+  const c10::BFloat16* q[kLanes];     // each row's query
+  c10::BFloat16* o[kLanes];           // each row's output
+  float pos[kLanes];                  // each row's position
+};
+
+// Floats of scratch a few-row tile needs.
+constexpr int64_t bf16_few_rows_scratch_floats(int64_t head) {
+  return KEYS / 2 * head;  // a partial tile's values, [KEYS / 2][head] words
+}
+
+const __m512 kLaneOffsets =
+    _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+// A row's scores of the 2 * KEYS keys from `base` (a: the first KEYS, b: the rest) with the
+// keys it may not see (after its position, or outside the window) at -inf.
+inline void mask_pair(const Problem& p, __m512& a, __m512& b, int64_t base, float pos) {
+  const __m512 ka = _mm512_add_ps(_mm512_set1_ps(static_cast<float>(base)), kLaneOffsets);
+  const __m512 kb = _mm512_add_ps(ka, _mm512_set1_ps(static_cast<float>(KEYS)));
+  const __m512 last = _mm512_set1_ps(pos);
+  __mmask16 ha = _mm512_cmp_ps_mask(ka, last, _CMP_GT_OQ);
+  __mmask16 hb = _mm512_cmp_ps_mask(kb, last, _CMP_GT_OQ);
+  if (p.window > 0) {
+    const __m512 lo = _mm512_set1_ps(pos - static_cast<float>(p.window));
+    ha |= _mm512_cmp_ps_mask(ka, lo, _CMP_LE_OQ);
+    hb |= _mm512_cmp_ps_mask(kb, lo, _CMP_LE_OQ);
   }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  a = _mm512_mask_mov_ps(a, ha, _mm512_set1_ps(kNegInf));
+  b = _mm512_mask_mov_ps(b, hb, _mm512_set1_ps(kNegInf));
+}
+
+// One online-softmax step of a row over 2 * KEYS scores (scaled, masked): updates its max
+// and sum, writes its probabilities as bf16 (word u: keys 2u and 2u + 1) and answers the
+// factor its accumulators take.
+inline float softmax_pair(__m512 a, __m512 b, float& row_max, float& row_sum, uint32_t* pw) {
+  const float new_max = std::max(row_max, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+  if (new_max == kNegInf) {  // nothing visible to the row yet
+    std::memset(pw, 0, KEYS * sizeof(uint32_t));
+    return 1.f;
   }
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+  const __m512 m = _mm512_set1_ps(new_max);
+  const __m512 ea = exp2_nonpositive_v(_mm512_sub_ps(a, m));
+  const __m512 eb = exp2_nonpositive_v(_mm512_sub_ps(b, m));
+  const float alpha = exp2_nonpositive(row_max - new_max);  // 0 the first time
+  row_sum = row_sum * alpha + _mm512_reduce_add_ps(_mm512_add_ps(ea, eb));
+  row_max = new_max;
+  _mm512_storeu_si512(pw, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(eb, ea)));
+  return alpha;
+}
+
+// The tiles of keys and values from `base` for the pair step: the second tile may be past
+// the sequence (then the first stands in; its scores are masked), a partial tile's values
+// are copied with the stale keys zeroed.
+struct PairTiles {
+  const uint32_t *k0, *k1, *v0, *v1;
+  bool second;
+};
+template <int HEAD>
+inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const c10::BFloat16* k_cache,
+                            const c10::BFloat16* v_cache, int64_t base, uint32_t* vz) {
+  PairTiles t{};
+  const auto words = [](const c10::BFloat16* x) { return reinterpret_cast<const uint32_t*>(x); };
+  t.second = base + KEYS < f.key_end;
+  t.k0 = words(cache_tile(p, k_cache, f.table, base, f.h));
+  t.v0 = words(cache_tile(p, v_cache, f.table, base, f.h));
+  t.k1 = t.second ? words(cache_tile(p, k_cache, f.table, base + KEYS, f.h)) : t.k0;
+  t.v1 = t.second ? words(cache_tile(p, v_cache, f.table, base + KEYS, f.h)) : t.v0;
+  const int64_t n = f.key_end - base;
+  if (n < KEYS) t.v1 = t.v0 = partial_values<HEAD>(t.v0, static_cast<int>(n), vz);
+  else if (t.second && n < 2 * KEYS) t.v1 = partial_values<HEAD>(t.v1, static_cast<int>(n - KEYS), vz);
+  // The next step's tiles, while this one computes: their blocks are anywhere in the cache,
+  // so the hardware prefetcher cannot guess them.
+  for (int64_t next = base + 2 * KEYS; next < std::min(base + 4 * KEYS, f.key_end); next += KEYS) {
+    const char* kn = reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next, f.h));
+    const char* vn = reinterpret_cast<const char*>(cache_tile(p, v_cache, f.table, next, f.h));
+    for (int line = 0; line < KEYS * HEAD * 2; line += 64) {
+      _mm_prefetch(kn + line, _MM_HINT_T0);
+      _mm_prefetch(vn + line, _MM_HINT_T0);
     }
   }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-  }
+  return t;
 }
 
-// Floats of scratch a few-row tile needs: `rows` rows over all the KV heads it computes.
-constexpr int64_t bf16_few_rows_scratch_floats(int64_t head, int64_t rows) {
-  return rows * head / 2       // query rows as bf16 pairs: [rows][head / 2]
-         + rows * head         // accumulators: [rows][head]
-         + head / 2 * KEYS     // one head's keys transposed, bf16 pairs: [head / 2][KEYS]
-         + KEYS / 2 * head     // one head's values in pairs of keys: [KEYS / 2][head]
-         + rows * KEYS / 2     // probabilities in pairs of keys: [rows][KEYS / 2]
-         + 3 * rows;           // row max, row sum, alpha
+inline bool pair_all_visible(const Problem& p, const FewRows& f, int64_t base) {
+  return base + 2 * KEYS - 1 <= f.first_pos && (p.window == 0 || base > f.last_pos - p.window);
 }
 
-// Query rows of one KV head that one pass over a chunk's keys serves (registers: R x 2
-// score accumulators, then R x 4 output accumulators).
-constexpr int kFewRowBlock = 4;
-
-// One chunk of KEYS keys for R rows of one KV head, whose keys are already transposed into
-// `kt` ([head / 2][KEYS] bf16-pair words) and values packed in pairs of keys into `vp`
-// ([KEYS / 2][head]): each vector of K or V is loaded once and serves all R rows, whose
-// query words and probabilities are broadcast from memory into vdpbf16ps.
+// Rows r0..r0+R of a few-row tile on vdpbf16ps: keys in the lanes (16 scores per vector),
+// each vector of K or V loaded once for the R rows, accumulators in registers throughout.
 template <int HEAD, int R>
-inline void few_rows_chunk(const Problem& p, int first_row, int first_row_in_head, int group,
-                           int64_t first_pos, bool all_visible, __m512 keys,
-                           const uint32_t* __restrict__ qp, float* __restrict__ acc,
-                           const uint32_t* __restrict__ kt, const uint32_t* __restrict__ vp,
-                           uint32_t* __restrict__ pw, float* __restrict__ row_max,
-                           float* __restrict__ row_sum, float* __restrict__ alpha) {
+void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFloat16* k_cache,
+                     const c10::BFloat16* v_cache, uint32_t* vz) {
   constexpr int W = HEAD / 2;
-  const __m512 scale = _mm512_set1_ps(p.scale_log2);
-  // Scores: two dependency chains per row (even and odd words).
-  __m512 s0[R], s1[R];
-  for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
-  const uint32_t* q = qp + first_row * W;
-#pragma GCC unroll 4
-  for (int w = 0; w < W; w += 2) {
-    const __m512bh k0 = as_bh(_mm512_loadu_si512(kt + w * KEYS));
-    const __m512bh k1 = as_bh(_mm512_loadu_si512(kt + (w + 1) * KEYS));
-    for (int r = 0; r < R; ++r) {
-      s0[r] = _mm512_dpbf16_ps(s0[r], k0, as_bh(_mm512_set1_epi32(static_cast<int>(q[r * W + w]))));
-      s1[r] = _mm512_dpbf16_ps(s1[r], k1,
-                               as_bh(_mm512_set1_epi32(static_cast<int>(q[r * W + w + 1]))));
-    }
-  }
+  constexpr int DV = HEAD / kLanes;
+  const uint32_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = reinterpret_cast<const uint32_t*>(f.q[r0 + r]);
+  __m512 acc[R][DV];
+  float row_max[R], row_sum[R];
+  alignas(64) uint32_t pw[R][KEYS];
   for (int r = 0; r < R; ++r) {
-    const int row = first_row + r;
-    __m512 sv = _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale);
-    if (!all_visible) {  // keys past the chunk's end are past every row's position
-      const float pos = static_cast<float>(first_pos + (first_row_in_head + r) / group);
-      __mmask16 hidden = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(pos), _CMP_GT_OQ);
-      if (p.window > 0) {
-        const __m512 lo = _mm512_set1_ps(pos - static_cast<float>(p.window));
-        hidden |= _mm512_cmp_ps_mask(keys, lo, _CMP_LE_OQ);
-      }
-      sv = _mm512_mask_mov_ps(sv, hidden, _mm512_set1_ps(kNegInf));
-    }
-    const float chunk_max = _mm512_reduce_max_ps(sv);
-    if (chunk_max == kNegInf) {  // nothing of this chunk is visible to the row
-      alpha[row] = 1.f;
-      std::memset(pw + row * (KEYS / 2), 0, KEYS / 2 * sizeof(uint32_t));
-      continue;
-    }
-    const float new_max = std::max(row_max[row], chunk_max);
-    alpha[row] = exp2_nonpositive(row_max[row] - new_max);  // 0 the first time
-    const __m512 e = exp2_nonpositive_v(_mm512_sub_ps(sv, _mm512_set1_ps(new_max)));
-    row_sum[row] = row_sum[row] * alpha[row] + _mm512_reduce_add_ps(e);
-    row_max[row] = new_max;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + row * (KEYS / 2)),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    for (int g = 0; g < DV; ++g) acc[r][g] = _mm512_setzero_ps();
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.f;
   }
-  // P*V, up to 4 vectors of head_dim at a time: R x 4 accumulators in registers.
-  constexpr int DG = HEAD / 16 < 4 ? HEAD / 16 : 4;
-  for (int d0 = 0; d0 < HEAD; d0 += 16 * DG) {
-    __m512 x[R][DG];
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[first_row + r]);
-      for (int g = 0; g < DG; ++g) {
-        x[r][g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (first_row + r) * HEAD + d0 + 16 * g), a);
+  const __m512 scale = _mm512_set1_ps(p.scale_log2);
+  for (int64_t base = f.key_begin / KEYS * KEYS; base < f.key_end; base += 2 * KEYS) {
+    const PairTiles t = pair_tiles<HEAD>(p, f, k_cache, v_cache, base, vz);
+    __m512 s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const __m512bh a = as_bh(_mm512_loadu_si512(t.k0 + w * KEYS));
+      const __m512bh b = as_bh(_mm512_loadu_si512(t.k1 + w * KEYS));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qw = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][w])));
+        s0[r] = _mm512_dpbf16_ps(s0[r], a, qw);
+        s1[r] = _mm512_dpbf16_ps(s1[r], b, qw);
       }
     }
-#pragma GCC unroll 8
-    for (int u = 0; u < KEYS / 2; ++u) {
-      for (int g = 0; g < DG; ++g) {
-        const __m512bh v = as_bh(_mm512_loadu_si512(vp + u * HEAD + d0 + 16 * g));
+    const bool all_visible = pair_all_visible(p, f, base);
+    for (int r = 0; r < R; ++r) {
+      __m512 a = _mm512_mul_ps(s0[r], scale), b = _mm512_mul_ps(s1[r], scale);
+      if (!all_visible) mask_pair(p, a, b, base, f.pos[r0 + r]);
+      const __m512 alpha = _mm512_set1_ps(softmax_pair(a, b, row_max[r], row_sum[r], pw[r]));
+      for (int g = 0; g < DV; ++g) acc[r][g] = _mm512_mul_ps(acc[r][g], alpha);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < KEYS; ++u) {
+      const uint32_t* vu = u < KEYS / 2 ? t.v0 + u * HEAD : t.v1 + (u - KEYS / 2) * HEAD;
+      for (int g = 0; g < DV; ++g) {
+        const __m512bh v = as_bh(_mm512_loadu_si512(vu + kLanes * g));
         for (int r = 0; r < R; ++r) {
-          const uint32_t pr = pw[(first_row + r) * (KEYS / 2) + u];
-          x[r][g] = _mm512_dpbf16_ps(x[r][g], v, as_bh(_mm512_set1_epi32(static_cast<int>(pr))));
+          acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v,
+                                       as_bh(_mm512_set1_epi32(static_cast<int>(pw[r][u]))));
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      for (int g = 0; g < DG; ++g) {
-        _mm512_storeu_ps(acc + (first_row + r) * HEAD + d0 + 16 * g, x[r][g]);
-      }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);  // every row sees its own key
+    for (int g = 0; g < DV; ++g) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.o[r0 + r] + kLanes * g),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][g], inv))));
     }
   }
 }
 
-// bf16 tiles of fewer than 16 rows per KV head (decodes: the GQA group) on AVX512_BF16: keys
-// in the lanes. For each chunk of 16 keys and each KV head in turn (the chunk's slots are
-// contiguous, so each cache line is fetched once for all heads), the keys are transposed
-// into bf16-pair words ([head / 2][16]) that every row of the head multiplies against its
-// own broadcast query words, 16 scores at a time; values are packed in pairs of keys for
-// P*V, with the row's bf16 probabilities broadcast in pairs. No key or value is converted
-// to fp32. Rows go kFewRowBlock at a time through few_rows_chunk, so each vector of K or V
-// is loaded once for all of them. The next chunk's keys and values are prefetched while
-// this one computes, as its block is anywhere in the cache: on a Xeon with AVX512_BF16 and
-// a cold cache, 1.19x faster on 32 decodes of 630 tokens and 1.39x on 8 (an AVX-512 EPYC
-// had measured no gain from prefetching).
+
 template <int HEAD>
 void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
                           const c10::BFloat16* query, const c10::BFloat16* k_cache,
                           const c10::BFloat16* v_cache, c10::BFloat16* out,
                           const int32_t* query_start_loc, const int32_t* seq_lens,
                           const int32_t* block_table, float* scratch) {
-  constexpr int W = HEAD / 2;
-  static_assert(W % kLanes == 0, "keys are transposed 16 words at a time");
   const int64_t start = query_start_loc[item.seq];
   const int64_t query_len = query_start_loc[item.seq + 1] - start;
   const int64_t context_len = seq_lens[item.seq] - query_len;
   const int tile = static_cast<int>(std::min<int64_t>(kQueryTile, query_len - item.first));
   const int group = static_cast<int>(p.group);
-  const int heads = item.head_hi - item.head_lo;
-  const int all_rows = rows * heads;  // row h * rows + r: head item.head_lo + h, row r
-
-  uint32_t* __restrict__ qp = reinterpret_cast<uint32_t*>(scratch);  // [all_rows][W]
-  float* __restrict__ acc = scratch + all_rows * W;                   // [all_rows][HEAD]
-  uint32_t* __restrict__ kt = reinterpret_cast<uint32_t*>(acc + all_rows * HEAD);
-  uint32_t* __restrict__ vp = kt + W * KEYS;                          // [KEYS/2][HEAD]
-  uint32_t* __restrict__ pw = vp + KEYS / 2 * HEAD;                   // [all_rows][KEYS/2]
-  float* __restrict__ row_max = reinterpret_cast<float*>(pw + all_rows * KEYS / 2);
-  float* __restrict__ row_sum = row_max + all_rows;
-  float* __restrict__ alpha = row_sum + all_rows;
-
-  for (int h = 0; h < heads; ++h) {
-    for (int r = 0; r < rows; ++r) {
-      const int row = h * rows + r;
+  FewRows f{};
+  f.first_pos = context_len + item.first;
+  f.last_pos = f.first_pos + tile - 1;
+  f.key_end = f.last_pos + 1;
+  f.key_begin = p.window > 0 ? std::max<int64_t>(0, f.first_pos - p.window + 1) : 0;
+  f.table = block_table + item.seq * p.bt_row;
+  f.rows = rows;
+  for (int h = item.head_lo; h < item.head_hi; ++h) {
+    f.h = h;
+    for (int r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
       const int64_t token = start + item.first + r / group;
-      const int64_t head = (item.head_lo + h) * p.group + r % group;
-      std::memcpy(qp + row * W, query + token * p.q_tok + head * p.q_head, W * sizeof(uint32_t));
-      row_max[row] = kNegInf;
-      row_sum[row] = 0.f;
+      const int64_t head = h * p.group + r % group;
+      f.q[r] = query + token * p.q_tok + head * p.q_head;
+      f.o[r] = out + token * p.o_tok + head * p.o_head;
+      f.pos[r] = static_cast<float>(f.first_pos + r / group);
     }
-  }
-  for (int i = 0; i < all_rows * HEAD; ++i) acc[i] = 0.f;
-
-  const int64_t first_pos = context_len + item.first;
-  const int64_t last_pos = first_pos + tile - 1;
-  const int64_t key_end = last_pos + 1;
-  const int64_t key_begin = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  const int32_t* table = block_table + item.seq * p.bt_row;
-  // Where the keys and values of the chunk starting at key `start` begin for a KV head.
-  const auto k_at = [&](int64_t start, int kv_head) {
-    return k_cache + table[start / p.block_size] * p.kc_blk + start % p.block_size * p.kc_slot +
-           kv_head * p.kc_head;
-  };
-  const auto v_at = [&](int64_t start, int kv_head) {
-    return v_cache + table[start / p.block_size] * p.vc_blk + start % p.block_size * p.vc_slot +
-           kv_head * p.vc_head;
-  };
-  const __m512 lane_offsets = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  alignas(64) static thread_local c10::BFloat16 zero_row[HEAD] = {};
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-
-  for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
-    const int64_t block_start = chunk * KEYS;
-    const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
-    const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
-                             (p.window == 0 || block_start > last_pos - p.window);
-    const __m512 keys =
-        _mm512_add_ps(_mm512_set1_ps(static_cast<float>(block_start)), lane_offsets);
-    if (const int64_t next = block_start + KEYS; next < key_end) {
-      // The next chunk's keys and values, while this one computes: its block is anywhere
-      // in the cache, so the hardware prefetcher cannot guess it.
-      const int n_next = static_cast<int>(std::min<int64_t>(KEYS, key_end - next));
-      for (int kv_head = item.head_lo; kv_head < item.head_hi; ++kv_head) {
-        const c10::BFloat16* kn = k_at(next, kv_head);
-        const c10::BFloat16* vn = v_at(next, kv_head);
-        for (int t = 0; t < n_next; ++t) {
-          for (int e = 0; e < HEAD; e += 64 / sizeof(c10::BFloat16)) {  // a cache line
-            _mm_prefetch(reinterpret_cast<const char*>(kn + t * p.kc_slot + e), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vn + t * p.vc_slot + e), _MM_HINT_T0);
-          }
-        }
+    uint32_t* vz = reinterpret_cast<uint32_t*>(scratch);
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      switch (std::min(4, rows - r0)) {
+        case 1: few_rows_vector<HEAD, 1>(p, f, r0, k_cache, v_cache, vz); break;
+        case 2: few_rows_vector<HEAD, 2>(p, f, r0, k_cache, v_cache, vz); break;
+        case 3: few_rows_vector<HEAD, 3>(p, f, r0, k_cache, v_cache, vz); break;
+        default: few_rows_vector<HEAD, 4>(p, f, r0, k_cache, v_cache, vz); break;
       }
-    }
-    for (int h = 0; h < heads; ++h) {
-      const int kv_head = item.head_lo + h;
-      const c10::BFloat16* kb = k_at(block_start, kv_head);
-      const c10::BFloat16* vb = v_at(block_start, kv_head);
-      // Keys past the sequence's end (stale data, even NaN) read as zeros.
-      for (int wb = 0; wb < W; wb += kLanes) {
-        __m512i k[KEYS];
-        for (int t = 0; t < KEYS; ++t) {
-          const c10::BFloat16* row = t < n ? kb + t * p.kc_slot : zero_row;
-          k[t] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(row) + wb);
-        }
-        transpose16x16(k);
-        for (int j = 0; j < kLanes; ++j) _mm512_storeu_si512(kt + (wb + j) * KEYS, k[j]);
-      }
-      for (int u = 0; u < KEYS / 2; ++u) {
-        const c10::BFloat16* even = 2 * u < n ? vb + 2 * u * p.vc_slot : zero_row;
-        const c10::BFloat16* odd = 2 * u + 1 < n ? vb + (2 * u + 1) * p.vc_slot : zero_row;
-        for (int d = 0; d < HEAD; d += 16) {
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d));
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d));
-          const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-          _mm512_storeu_si512(vp + u * HEAD + d, _mm512_permutexvar_epi16(interleave, ab));
-        }
-      }
-      for (int lo = 0; lo < rows; lo += kFewRowBlock) {
-        const int first_row = h * rows + lo;
-        switch (std::min(kFewRowBlock, rows - lo)) {
-#define TIDEGATE_FEW(R)                                                                    \
-  case R:                                                                                 \
-    few_rows_chunk<HEAD, R>(p, first_row, lo, group, first_pos, all_visible, keys, qp,  \
-                            acc, kt, vp, pw, row_max, row_sum, alpha);                    \
-    break;
-          TIDEGATE_FEW(1)
-          TIDEGATE_FEW(2)
-          TIDEGATE_FEW(3)
-          TIDEGATE_FEW(4)
-#undef TIDEGATE_FEW
-        }
-      }
-    }
-  }
-
-  for (int h = 0; h < heads; ++h) {
-    for (int r = 0; r < rows; ++r) {
-      const int row = h * rows + r;
-      const int64_t token = start + item.first + r / group;
-      const int64_t head = (item.head_lo + h) * p.group + r % group;
-      c10::BFloat16* dst = out + token * p.o_tok + head * p.o_head;
-      const float inv = 1.f / row_sum[row];  // every row sees at least its own key
-      for (int d = 0; d < HEAD; ++d) dst[d] = from_float<c10::BFloat16>(acc[row * HEAD + d] * inv);
     }
   }
 }
@@ -651,10 +597,8 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
       return attend_item_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
                                     query_start_loc, seq_lens, block_table, scratch);
     }
-    if constexpr (HEAD % (2 * kLanes) == 0) {
-      return attend_few_rows_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
-                                        query_start_loc, seq_lens, block_table, scratch);
-    }
+    return attend_few_rows_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
+                                      query_start_loc, seq_lens, block_table, scratch);
   }
 #endif
 
@@ -693,27 +637,20 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
   // chunk's keys with no horizontal sums. Few rows (decodes): dot products win.
   const bool transposed = rows >= kTransposeRows;
 
-  // Keys go by chunks of KEYS tokens (a cache block holds a whole number of chunks), all KV
-  // heads of a chunk in turn: the chunk's slots are contiguous in the cache, so each cache
-  // line is fetched once and used at once.
+  // Keys go by chunks of KEYS tokens (one tile of the cache per KV head), all KV heads of a
+  // chunk in turn.
   for (int64_t chunk = key_begin / KEYS; chunk * KEYS < key_end; ++chunk) {
     const int64_t block_start = chunk * KEYS;  // position of the chunk's first key
     const int n = static_cast<int>(std::min<int64_t>(KEYS, key_end - block_start));
-    const int64_t block = table[block_start / p.block_size];
-    const int64_t slot = block_start % p.block_size;
     // Every key of the chunk visible to every row of the tile: no mask needed.
     const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
                              (p.window == 0 || block_start > last_pos - p.window);
     for (int h = item.head_lo; h < item.head_hi; ++h) {
-      const T* kb = k_cache + block * p.kc_blk + slot * p.kc_slot + h * p.kc_head;
-      const T* vsrc = v_cache + block * p.vc_blk + slot * p.vc_slot + h * p.vc_head;
+      const T* ktile = cache_tile(p, k_cache, table, block_start, h);
+      const T* vtile = cache_tile(p, v_cache, table, block_start, h);
       for (int t = 0; t < n; ++t) {
-        const T* krow = kb + t * p.kc_slot;
-        const T* vrow = vsrc + t * p.vc_slot;
-#pragma omp simd
-        for (int d = 0; d < HEAD; ++d) kf[t * HEAD + d] = to_float(krow[d]);
-#pragma omp simd
-        for (int d = 0; d < HEAD; ++d) vb[t * HEAD + d] = to_float(vrow[d]);
+        for (int d = 0; d < HEAD; ++d) kf[t * HEAD + d] = to_float(ktile[k_offset(t, d)]);
+        for (int d = 0; d < HEAD; ++d) vb[t * HEAD + d] = to_float(vtile[v_offset(t, d, HEAD)]);
       }
       // Slots past the sequence's end hold stale or garbage data (even NaN): zero them so
       // that 0 * garbage never reaches the accumulators; their scores are masked below.
@@ -849,7 +786,7 @@ void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& que
       2 * max_rows * HEAD + 3 * HEAD * KEYS + max_rows * KEYS + 2 * max_rows;
 #ifdef TIDEGATE_BF16_TILES
   scratch_floats = std::max({scratch_floats, bf16_scratch_floats(HEAD),
-                             bf16_few_rows_scratch_floats(HEAD, max_rows)});
+                             bf16_few_rows_scratch_floats(HEAD)});
 #endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -893,14 +830,15 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "paged_attention: query and out must be [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: caches must be contiguous [blocks, kv_heads, block_size, "
+              "head_dim] (the packed layout)");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
                   v_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
               "paged_attention: query, caches and out must share one dtype");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
-                  v_cache.stride(3) == 1,
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
               "paged_attention: head_dim must be contiguous");
   for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table}) {
     TORCH_CHECK(t->scalar_type() == at::kInt, "paged_attention: metadata must be int32");
@@ -909,12 +847,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                   block_table.stride(1) == 1,
               "paged_attention: metadata rows must be contiguous");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim, "paged_attention: cache head_dim differs");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: ", num_heads,
               " query heads are not a multiple of ", num_kv_heads, " KV heads");
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(k_cache.size(1) % KEYS == 0, "paged_attention: block size ", k_cache.size(1),
+  TORCH_CHECK(k_cache.size(2) % KEYS == 0, "paged_attention: block size ", k_cache.size(2),
               " is not a multiple of ", KEYS);
   TORCH_CHECK(query_start_loc.size(0) >= num_seqs + 1,
               "paged_attention: query_start_loc needs num_seqs + 1 entries");
@@ -928,15 +866,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   p.q_head = query.stride(1);
   p.o_tok = out.stride(0);
   p.o_head = out.stride(1);
-  p.kc_blk = k_cache.stride(0);
-  p.kc_slot = k_cache.stride(1);
-  p.kc_head = k_cache.stride(2);
-  p.vc_blk = v_cache.stride(0);
-  p.vc_slot = v_cache.stride(1);
-  p.vc_head = v_cache.stride(2);
+  p.cache_blk = k_cache.stride(0);
+  p.cache_head = k_cache.stride(1);
+  p.tile_elems = KEYS * head_dim;
   p.bt_row = block_table.stride(0);
   p.max_blocks = block_table.size(1);
-  p.block_size = k_cache.size(1);
+  p.block_size = k_cache.size(2);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.window = sliding_window;
 
@@ -1004,30 +939,42 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(k_cache.scalar_type() == key.scalar_type() &&
                   v_cache.scalar_type() == key.scalar_type(),
               "reshape_and_cache: caches and keys must share one dtype");
-  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
-              "reshape_and_cache: key rows do not fit the cache");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3),
+              "reshape_and_cache: key rows do not fit the [blocks, kv_heads, block_size, "
+              "head_dim] caches");
+  TORCH_CHECK(k_cache.size(2) % KEYS == 0 && key.size(2) % 2 == 0,
+              "reshape_and_cache: block size must be a multiple of ", KEYS,
+              " and head_dim even");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "reshape_and_cache: contiguous rows only");
   const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), key.size(0));
-  const int64_t heads = key.size(1), dim = key.size(2);
-  const int64_t row_bytes = dim * key.element_size();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t heads = key.size(1), dim = key.size(2), block_size = k_cache.size(2);
+  const int64_t num_slots = k_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t es = key.element_size();
   const char* k = static_cast<const char*>(key.const_data_ptr());
   const char* v = static_cast<const char*>(value.const_data_ptr());
   char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
   char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
-  const int64_t es = key.element_size();
   for (int64_t i = 0; i < num_tokens; ++i) {
     const int64_t slot = slots[i];
     if (slot < 0) continue;  // padding: no slot
     TORCH_CHECK(slot < num_slots, "reshape_and_cache: slot ", slot, " is past the cache");
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    const int t = static_cast<int>(offset % KEYS);
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (slot * heads + h) * row_bytes, k + (i * key.stride(0) + h * key.stride(1)) * es,
-                  row_bytes);
-      std::memcpy(vc + (slot * heads + h) * row_bytes,
-                  v + (i * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+      // The token's tile for this head: K as [dim / 2][KEYS][2], V as [KEYS / 2][dim][2].
+      const int64_t tile = ((block * heads + h) * block_size + offset / KEYS * KEYS) * dim;
+      const char* ks = k + (i * key.stride(0) + h * key.stride(1)) * es;
+      const char* vs = v + (i * value.stride(0) + h * value.stride(1)) * es;
+      for (int64_t d = 0; d < dim; d += 2) {  // a pair of elements at a time
+        std::memcpy(kc + (tile + k_offset(t, static_cast<int>(d))) * es, ks + d * es, 2 * es);
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        std::memcpy(vc + (tile + v_offset(t, static_cast<int>(d), dim)) * es, vs + d * es, es);
+      }
     }
   }
 }

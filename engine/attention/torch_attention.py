@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, AttentionMetadata
 
 
 class TorchAttentionBackend:
@@ -19,6 +19,7 @@ class TorchAttentionBackend:
     name = "torch"
     # Loops over the host copies of the metadata, and syncs to skip padding slots.
     cuda_graph_safe = False
+    kv_layout = STANDARD_KV_LAYOUT
 
     def write_kv(
         self,
@@ -135,12 +136,26 @@ def attend_chunk(
     scale: float,
 ) -> torch.Tensor:
     """Attention of one sequence's chunk of L new tokens, after seq_len - L cached ones."""
-    query_len = query.shape[0]
-    context_len = seq_len - query_len
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    keys = _heads_first(_gather_blocks(k_cache, blocks).flatten(0, 1)[:seq_len])  # [Hkv, S, Dh]
-    values = _heads_first(_gather_blocks(v_cache, blocks).flatten(0, 1)[:seq_len])
+    keys = _gather_blocks(k_cache, blocks).flatten(0, 1)  # [S rounded up to blocks, Hkv, Dh]
+    values = _gather_blocks(v_cache, blocks).flatten(0, 1)
+    return attend_gathered(query, keys, values, seq_len, scale)
+
+
+def attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """`attend_chunk` over keys and values already gathered: [>= seq_len, Hkv, Dh], the
+    sequence's positions in order (a last block's tail past seq_len is ignored)."""
+    query_len = query.shape[0]
+    context_len = seq_len - query_len
+    keys = _heads_first(keys[:seq_len])  # [Hkv, S, Dh]
+    values = _heads_first(values[:seq_len])
     # A leading batch dimension matters: SDPA's fused CPU kernel takes only 4-D inputs, and
     # 3-D ones fall back to the quadratic-memory math path (10x slower on 2k-token prompts).
     q = _heads_first(query)[None]  # [1, H, L, Dh]

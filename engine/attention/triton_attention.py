@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from tidegate.engine.attention.backend import AttentionMetadata
+from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, AttentionMetadata
 
 # Split-KV: segments per sequence, and the SM count assumed when no GPU says otherwise.
 NUM_SEGMENTS = 16
@@ -40,6 +40,7 @@ class TritonAttentionBackend:
     # Launch shapes come from host ints fixed at capture (num_seqs, max_query_len,
     # max_seq_len); everything per-sequence is read on the device.
     cuda_graph_safe = True
+    kv_layout = STANDARD_KV_LAYOUT
 
     def write_kv(
         self,

@@ -24,6 +24,7 @@ from tidegate.engine.messages import KVConnectorMetadata, KVEvent, KVWorkerConfi
 if TYPE_CHECKING:
     import torch
 
+    from tidegate.engine.attention.backend import KVLayout
     from tidegate.engine.config import EngineArgs
     from tidegate.engine.kv_transfer.params import RemotePrefill
 
@@ -63,8 +64,11 @@ class KVConnectorWorker(ABC):
         """Where this rank serves blocks (0 for a consumer)."""
 
     @abstractmethod
-    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The paged caches, per layer (keys, values), once allocated."""
+    def register_kv_caches(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
+    ) -> None:
+        """The paged caches, per layer (keys, values), once allocated, in the attention
+        backend's `layout`; blocks travel in the standard layout, converted on each side."""
 
     @abstractmethod
     def update_pins(self, pin: dict[str, list[int]], unpin: list[str]) -> None:

@@ -35,6 +35,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, KVLayout
 from tidegate.engine.kv_transfer.base import KVConnectorWorker
 from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
 from tidegate.engine.kv_transfer.zmq_curve import (
@@ -98,6 +99,9 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self.num_kv_heads = num_kv_heads
         self.device = device
         self.kv_caches: KVCaches = []
+        self.kv_layout: KVLayout = STANDARD_KV_LAYOUT
+        # A block's standard shape (block_size, heads, head_dim), as it goes on the wire.
+        self._block_shape: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self._keys = load_curve_keys(config.curve_key_dir) if config.curve_key_dir else None
         self._ctx = zmq.Context()
@@ -140,9 +144,17 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def local_heads(self) -> int:
         return heads_of_rank(self.num_kv_heads, self.tp_size, self.rank)[1]
 
-    def register_kv_caches(self, kv_caches: KVCaches) -> None:
+    def register_kv_caches(
+        self, kv_caches: KVCaches, layout: KVLayout = STANDARD_KV_LAYOUT
+    ) -> None:
+        block_shape: tuple[int, ...] = ()
+        if kv_caches:  # the standard shape of zero blocks converted
+            k_cache, v_cache = kv_caches[0]
+            block_shape = tuple(layout.to_standard(k_cache[:0], v_cache[:0])[0].shape[1:])
         with self._lock:
             self.kv_caches = kv_caches
+            self.kv_layout = layout
+            self._block_shape = block_shape
 
     # -- producer ---------------------------------------------------------------------------
 
@@ -226,10 +238,14 @@ class ZmqConnectorWorker(KVConnectorWorker):
             index = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
             frames: list[memoryview] = []
             dtype = shape = None
+            heads = slice(request.head_start, request.head_end)
             for k_cache, v_cache in self.kv_caches:
-                for cache in (k_cache, v_cache):
-                    part = cache.index_select(0, index)[:, :, request.head_start : request.head_end]
-                    part = part.contiguous().cpu()
+                # On the wire: the standard layout, whatever the backend caches.
+                blocks = self.kv_layout.to_standard(
+                    k_cache.index_select(0, index), v_cache.index_select(0, index)
+                )
+                for cache in blocks:
+                    part = cache[:, :, heads].contiguous().cpu()
                     dtype, shape = str(part.dtype), list(part.shape)
                     frames.append(memoryview(part.view(torch.uint8).numpy()))
         return KVReadReply(ok=True, dtype=dtype or "", shape=shape or []), frames
@@ -258,8 +274,9 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def _write(self, block_ids: list[int], pulled: KVCaches) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for (k_cache, v_cache), (k, v) in zip(self.kv_caches, pulled, strict=True):
-            k_cache.index_copy_(0, index, k.to(self.device))
-            v_cache.index_copy_(0, index, v.to(self.device))
+            k, v = self.kv_layout.from_standard(k.to(self.device), v.to(self.device))
+            k_cache.index_copy_(0, index, k)
+            v_cache.index_copy_(0, index, v)
 
     def _pull_loop(self) -> None:
         assert self._events is not None
@@ -398,7 +415,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def _assemble(self, pull: _Pull) -> KVCaches:
         k_local = self.kv_caches[0][0]
         n = len(pull.spec.local_block_ids)
-        shape = (n, k_local.shape[1], self.local_heads, k_local.shape[3])
+        block_size, _, head_dim = self._block_shape
+        shape = (n, block_size, self.local_heads, head_dim)  # standard, as on the wire
         out = [
             (torch.empty(shape, dtype=k_local.dtype), torch.empty(shape, dtype=k_local.dtype))
             for _ in self.kv_caches

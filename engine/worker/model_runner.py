@@ -128,9 +128,11 @@ class ModelRunner:
         return per_layer * self.model.num_local_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the paged caches: per layer, keys and values [blocks, block, heads, dim]."""
+        """Allocate the paged caches: per layer, keys and values in the attention backend's
+        `kv_layout` ([blocks, block, heads, dim] for torch and triton; cpu packs them)."""
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        layout = self.attn_backend.kv_layout
+        shape = layout.shape(num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_caches = [
             (

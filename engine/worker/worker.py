@@ -116,7 +116,9 @@ class Worker:
         """Allocate the KV cache, then warm up (compile) the model before any request."""
         self.runner.initialize_kv_cache(num_blocks)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(self.runner.kv_caches)
+            self.kv_connector.register_kv_caches(
+                self.runner.kv_caches, self.runner.attn_backend.kv_layout
+            )
         seconds = self.runner.warm_up()
         if self.runner.compilation_level > 0 and self.rank == 0:
             logger.info(

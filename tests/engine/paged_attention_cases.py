@@ -3,6 +3,8 @@
 A batch is a list of (context_len, query_len) pairs; its sequences get shuffled block ids,
 a -1-padded, strided block table and a cache poisoned with NaN wherever no sequence has a
 token, so that a stray read shows. The reference is dense fp32 attention per sequence.
+Caches here are in the standard layout `[blocks, block_size, kv_heads, head_dim]`; tests of
+the cpu backend pack them (`cpu_attention.pack_kv`) before handing them over.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Each case runs the kernel on a NaN-poisoned paged cache (a stray read shows) and compares it
 with dense fp32 attention per sequence: tight in fp32; in bf16/fp16 within the error of
-rounding the inputs' products and the output. The first test in a fresh cache compiles the
-kernel (about 20 s); later runs load it.
+rounding the inputs' products and the output. The caches are built in the standard layout,
+which the reference reads, and packed (`pack_kv`) for the backend and the ops, which read and
+write the cpu backend's packed layout. The first test in a fresh cache compiles the kernel
+(about 20 s); later runs load it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from tests.engine.paged_attention_cases import (
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.attention import TorchAttentionBackend, cpu_attention, get_attention_backend
 from tidegate.engine.attention.cpu_attention import (
+    PACKED_KV_LAYOUT,
     CpuAttentionBackend,
     cpu_kernels_available,
+    pack_kv,
+    unpack_kv,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -39,7 +44,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kernel_max=0):
-    """The backend on a poisoned paged cache, and the dense reference for it.
+    """The backend on a poisoned paged cache (packed), and the dense reference for it.
 
     kernel_max=0: the kernel takes every sequence, long chunks included.
     """
@@ -54,7 +59,7 @@ def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kern
     query = qkv[:, :num_heads]
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(sliding_window=window, max_kernel_query_len=kernel_max)
-    out = backend.attend(query, k_cache, v_cache, meta, scale)
+    out = backend.attend(query, *pack_kv(k_cache, v_cache), meta, scale)
     expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
     return out, expected
 
@@ -144,8 +149,9 @@ def test_a_nan_query_gives_nan_rows_not_a_silent_average():
     k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
     query = torch.randn(meta.num_tokens, NUM_KV_HEADS * 4, 64).to(torch.bfloat16)
     query[3, 1] = float("nan")
+    k_packed, v_packed = pack_kv(k_cache, v_cache)
 
-    out = CpuAttentionBackend(max_kernel_query_len=0).attend(query, k_cache, v_cache, meta, 0.125)
+    out = CpuAttentionBackend(max_kernel_query_len=0).attend(query, k_packed, v_packed, meta, 0.125)
 
     assert out[3, 1].isnan().all()
     out[3, 1] = 0
@@ -201,7 +207,7 @@ def test_backend_matches_the_torch_backend_and_leaves_padding_rows_zero():
     meta, _, num_blocks = paged_batch(chunks, block_size, rng)
     shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     k_cache, v_cache = (torch.randn(shape) for _ in range(2))
-    caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
+    caches = [*pack_kv(k_cache, v_cache), k_cache.clone(), v_cache.clone()]  # cpu: packed
     num_padded = meta.num_tokens + 3  # padding rows, and slots -1 past the batch
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((3,), -1)])
     query = torch.randn(num_padded, NUM_KV_HEADS * group, head_dim)
@@ -214,27 +220,37 @@ def test_backend_matches_the_torch_backend_and_leaves_padding_rows_zero():
     out = cpu_backend.attend(query, caches[0], caches[1], meta, 0.125)
     expected = torch_backend.attend(query, caches[2], caches[3], meta, 0.125)
 
-    torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)
-    torch.testing.assert_close(caches[1], caches[3], atol=0, rtol=0)
+    written_k, written_v = unpack_kv(caches[0], caches[1])
+    torch.testing.assert_close(written_k, caches[2], atol=0, rtol=0)
+    torch.testing.assert_close(written_v, caches[3], atol=0, rtol=0)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert out[meta.num_tokens :].abs().sum() == 0
 
 
 def test_write_kv_skips_negative_slots_and_refuses_slots_past_the_cache():
-    cache = torch.zeros(2, 16, NUM_KV_HEADS, 64)
-    rows = torch.ones(3, NUM_KV_HEADS, 64)
+    shape = PACKED_KV_LAYOUT.shape(2, 16, NUM_KV_HEADS, 64)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    # Distinct values for every (token, head, dim), so a misplaced one shows.
+    keys = torch.arange(1, 3 * NUM_KV_HEADS * 64 + 1, dtype=torch.float32)
+    keys = keys.view(3, NUM_KV_HEADS, 64)
+    values = -keys
     slots = torch.tensor([5, -1, 31])
-    torch.ops.tidegate_cpu.reshape_and_cache(rows, rows, cache, cache.clone(), slots)
-    flat = cache.view(-1, NUM_KV_HEADS, 64)
-    assert flat[5].eq(1).all() and flat[31].eq(1).all() and flat.sum() == 2 * NUM_KV_HEADS * 64
+    torch.ops.tidegate_cpu.reshape_and_cache(keys, values, k_cache, v_cache, slots)
+    k_std, v_std = unpack_kv(k_cache, v_cache)
+    for written, rows in ((k_std, keys), (v_std, values)):
+        flat = written.reshape(-1, NUM_KV_HEADS, 64)
+        assert torch.equal(flat[5], rows[0]) and torch.equal(flat[31], rows[2])
+        others = torch.ones(32, dtype=torch.bool)
+        others[[5, 31]] = False
+        assert not flat[others].any()
 
     with pytest.raises(RuntimeError, match="past the cache"):
-        torch.ops.tidegate_cpu.reshape_and_cache(rows, rows, cache, cache, torch.tensor([32]))
+        torch.ops.tidegate_cpu.reshape_and_cache(keys, values, k_cache, v_cache, torch.tensor([32]))
 
 
 def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
     query = torch.zeros(2, 2, 64)
-    cache = torch.zeros(1, 16, 2, 64)
+    cache = torch.zeros(PACKED_KV_LAYOUT.shape(1, 16, 2, 64))
     starts = torch.tensor([0, 2], dtype=torch.int32)
     table = torch.zeros(1, 1, dtype=torch.int32)
     for seq_lens in ([1], [17]):  # shorter than its query; more blocks than its table has
@@ -247,7 +263,7 @@ def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
 
 def test_a_block_id_outside_the_cache_is_refused():
     query = torch.zeros(1, 2, 64)
-    cache = torch.zeros(2, 16, 2, 64)
+    cache = torch.zeros(PACKED_KV_LAYOUT.shape(2, 16, 2, 64))
     starts = torch.tensor([0, 1], dtype=torch.int32)
     seq_lens = torch.tensor([20], dtype=torch.int32)  # two blocks: the second is bad
     for bad in (2, -1):
@@ -305,7 +321,11 @@ def test_the_engine_gives_the_torch_backends_greedy_tokens(tiny_llama_dir):
     reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     llm = LLM(model=str(tiny_llama_dir), **common)  # auto
-    assert llm.engine.executor.worker.runner.attn_backend.name == "cpu"
+    runner = llm.engine.executor.worker.runner
+    assert runner.attn_backend.name == "cpu"
+    k_cache, head_dim = runner.kv_caches[0][0], runner.model_config.head_dim
+    packed = PACKED_KV_LAYOUT.shape(len(k_cache), runner.block_size, runner.num_kv_heads, head_dim)
+    assert k_cache.shape == packed
 
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 

@@ -301,8 +301,13 @@ def test_an_eavesdropper_on_the_kv_ports_sees_plaintext_only_without_encryption(
         prompt = make_prompt(100, offset=11)
         expected = drive(unified, core_request("u-eaves", prompt, greedy(12)))["u-eaves"]["tokens"]
         params = prefill_remotely(producer, "p-eaves", prompt)
-        k_cache = producer.executor.worker.kv_connector.kv_caches[0][0]
-        block = k_cache[params["remote_block_ids"][0]].contiguous().numpy().tobytes()
+        connector = producer.executor.worker.kv_connector
+        (k_cache, v_cache), layout = connector.kv_caches[0], connector.kv_layout
+        # The first block's keys as they go on the wire: in the standard layout, whatever
+        # the producer's attention backend caches (the cpu backend packs them).
+        first = torch.tensor(params["remote_block_ids"][:1])
+        keys, _ = layout.to_standard(k_cache.index_select(0, first), v_cache.index_select(0, first))
+        block = keys[0].contiguous().numpy().tobytes()
         transfer_id = params["remote_request_id"].encode()
         relays = [RecordingRelay(params["remote_port"])]
         relays += [RecordingRelay(port) for port in params["remote_data_ports"]]
