@@ -9,9 +9,6 @@ import torch
 from tidegate.engine.sampling_params import SamplingParams
 from tidegate.engine.worker.penalties import apply_penalties, pad_token_ids
 
-# Exponential noise of exactly 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
-_MIN_NOISE = 1e-10
-
 
 @dataclass
 class SamplingMetadata:
@@ -160,7 +157,7 @@ class Sampler:
         return output
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = None if meta.greedy_rows is None and not meta.all_greedy else logits.argmax(-1)
+        greedy = None if meta.greedy_rows is None and not meta.all_greedy else row_argmax(logits)
         if meta.all_greedy:
             return greedy
         logits = logits / meta.temperature[:, None]
@@ -171,7 +168,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if meta.min_p is not None:
             probs = apply_min_p(probs, meta.min_p)
-        sampled = exponential_race(probs, meta.generators)
+        sampled = sample_categorical(probs, meta.generators)
         return sampled if greedy is None else torch.where(meta.greedy_rows, greedy, sampled)
 
 
@@ -219,15 +216,26 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row as argmax(probs / Exponential(1)), i.e. from probs (unnormalized)."""
-    noise = torch.empty_like(probs)
+def sample_categorical(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row from probs (unnormalized, non-negative), by inverse CDF: the first
+    token whose cumulative probability passes a uniform draw times the row's total.
+
+    One random number per row: drawing one per token instead (argmax of probs over
+    exponential noise) costs torch's CPU generator 17 ms a step for 32 rows of a 32,000-token
+    vocabulary; this takes about 0.4 ms.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    draws = torch.empty_like(total)
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        draws.uniform_()
     # A seeded row draws only from its own generator, so its tokens cannot depend on the batch.
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+        draws[row].uniform_(generator=generator)
+    # A draw is below 1, but times the total it may round up to it: cap at the float below.
+    target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return sampled.clamp_max_(probs.shape[1] - 1)  # a row of NaN finds no token
 
 
 def _fill_logprobs(
@@ -240,3 +248,9 @@ def _fill_logprobs(
     output.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1).cpu()
     output.logprobs = torch.cat([sampled_logprob, top_logprobs], dim=1).cpu()
     output.sampled_token_ranks = ranks.cpu()
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first index of each row's maximum, or of a NaN), through max: on
+    CPU torch's argmax is about 3x slower over a [32, 32000] fp32 batch (1.1 ms a step)."""
+    return x.max(dim=-1).indices
