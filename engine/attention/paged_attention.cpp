@@ -389,7 +389,6 @@ struct FewRows {
   int64_t key_begin, key_end;         // keys [key_begin, key_end) of the sequence
   int64_t first_pos, last_pos;        // positions of the tile's first and last rows
   const int32_t* table;               // the sequence's block table row
-  int rows;                           // rows of this KV head
   const c10::BFloat16* q[kLanes];     // each row's query
   c10::BFloat16* o[kLanes];           // each row's output
   float pos[kLanes];                  // each row's position
@@ -536,7 +535,6 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
   }
 }
 
-
 template <int HEAD>
 void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
                           const c10::BFloat16* query, const c10::BFloat16* k_cache,
@@ -554,7 +552,6 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
   f.key_end = f.last_pos + 1;
   f.key_begin = p.window > 0 ? std::max<int64_t>(0, f.first_pos - p.window + 1) : 0;
   f.table = block_table + item.seq * p.bt_row;
-  f.rows = rows;
   for (int h = item.head_lo; h < item.head_hi; ++h) {
     f.h = h;
     for (int r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
