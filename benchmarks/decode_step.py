@@ -103,7 +103,7 @@ def main() -> None:
         "tidegate_ms": run_tidegate(folder, args.sizes, args.context, args.steps, args.repeats),
     }
     if args.with_vllm:
-        record["vllm_ms"] = run_vllm(model_dir, args.sizes, args.context, args.steps, args.repeats)
+        record["vllm_ms"] = run_vllm(folder, args.sizes, args.context, args.steps, args.repeats)
         record["tidegate_over_vllm"] = {
             n: round(t / record["vllm_ms"][n], 3) for n, t in record["tidegate_ms"].items()
         }

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +31,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    llm = LLM(model=str(args.model), dtype="bfloat16", enable_prefix_caching=True)
+    model, out = args.model.resolve(), args.out.resolve()
+    # vLLM starts helpers with `python -m`, which puts the working directory first on sys.path;
+    # in the repository root, its operator/ package would shadow the standard library's.
+    os.chdir(tempfile.gettempdir())
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=args.context + args.steps + 16,
+        enable_prefix_caching=True,
+        seed=0,
+    )
     vocab = llm.llm_engine.model_config.get_vocab_size()
 
     def generate(prompts, max_tokens):
@@ -53,7 +65,7 @@ def main() -> None:
             many = time.perf_counter() - start
             samples.append((many - one) / args.steps * 1000)
         result[str(n)] = statistics.median(samples)
-    args.out.write_text(json.dumps(result))
+    out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
