@@ -928,6 +928,45 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// Stores token rows into the packed tiles, E an unsigned integer of the element's size (the
+// bytes move as they are): one element at a time for V, a pair for K.
+template <typename E>
+void store_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                at::Tensor& v_cache, const int64_t* slots, int64_t num_tokens) {
+  const int64_t heads = key.size(1), dim = key.size(2), block_size = k_cache.size(2);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const E* k = static_cast<const E*>(key.const_data_ptr());
+  const E* v = static_cast<const E*>(value.const_data_ptr());
+  E* kc = static_cast<E*>(k_cache.mutable_data_ptr());
+  E* vc = static_cast<E*>(v_cache.mutable_data_ptr());
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "reshape_and_cache: slot ", slots[i], " is past the cache");
+  }
+  // A prompt's tokens spread over the threads (each writes its own slots); a decode step's
+  // few tokens are not worth waking them.
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;  // padding: no slot
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      const int t = static_cast<int>(offset % KEYS);
+      for (int64_t h = 0; h < heads; ++h) {
+        // The token's tile for this head: K as [dim / 2][KEYS][2], V as [KEYS / 2][dim][2].
+        const int64_t tile = ((block * heads + h) * block_size + offset / KEYS * KEYS) * dim;
+        const E* ks = k + i * key.stride(0) + h * key.stride(1);
+        const E* vs = v + i * value.stride(0) + h * value.stride(1);
+        E* kt = kc + tile + 2 * t;  // the pair of element 2w is at kt + w * 2 * KEYS
+        for (int64_t w = 0; w < dim / 2; ++w) {
+          kt[w * 2 * KEYS] = ks[2 * w];
+          kt[w * 2 * KEYS + 1] = ks[2 * w + 1];
+        }
+        E* vt = vc + tile + (t >> 1) * 2 * dim + (t & 1);  // element d at vt + 2d
+        for (int64_t d = 0; d < dim; ++d) vt[2 * d] = vs[d];
+      }
+    }
+  });
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
                        at::Tensor v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "reshape_and_cache: int64 slots");
@@ -947,32 +986,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                   v_cache.is_contiguous(),
               "reshape_and_cache: contiguous rows only");
   const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), key.size(0));
-  const int64_t heads = key.size(1), dim = key.size(2), block_size = k_cache.size(2);
-  const int64_t num_slots = k_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const int64_t es = key.element_size();
-  const char* k = static_cast<const char*>(key.const_data_ptr());
-  const char* v = static_cast<const char*>(value.const_data_ptr());
-  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
-  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    const int64_t slot = slots[i];
-    if (slot < 0) continue;  // padding: no slot
-    TORCH_CHECK(slot < num_slots, "reshape_and_cache: slot ", slot, " is past the cache");
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    const int t = static_cast<int>(offset % KEYS);
-    for (int64_t h = 0; h < heads; ++h) {
-      // The token's tile for this head: K as [dim / 2][KEYS][2], V as [KEYS / 2][dim][2].
-      const int64_t tile = ((block * heads + h) * block_size + offset / KEYS * KEYS) * dim;
-      const char* ks = k + (i * key.stride(0) + h * key.stride(1)) * es;
-      const char* vs = v + (i * value.stride(0) + h * value.stride(1)) * es;
-      for (int64_t d = 0; d < dim; d += 2) {  // a pair of elements at a time
-        std::memcpy(kc + (tile + k_offset(t, static_cast<int>(d))) * es, ks + d * es, 2 * es);
-      }
-      for (int64_t d = 0; d < dim; ++d) {
-        std::memcpy(vc + (tile + v_offset(t, static_cast<int>(d), dim)) * es, vs + d * es, es);
-      }
-    }
+  switch (key.element_size()) {
+    case 2: return store_rows<uint16_t>(key, value, k_cache, v_cache, slots, num_tokens);
+    case 4: return store_rows<uint32_t>(key, value, k_cache, v_cache, slots, num_tokens);
+    default: TORCH_CHECK(false, "reshape_and_cache: unsupported dtype ", key.scalar_type());
   }
 }
 
