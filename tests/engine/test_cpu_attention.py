@@ -227,6 +227,25 @@ def test_backend_matches_the_torch_backend_and_leaves_padding_rows_zero():
     assert out[meta.num_tokens :].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(16, 64), (32, 80), (16, 128)])
+def test_gather_kv_gives_the_context_in_the_standard_order_heads_first(dtype, block_size, head_dim):
+    """What the SDPA path reads: the first seq_len keys and values of a sequence's blocks."""
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    shape = (12, block_size, NUM_KV_HEADS, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_packed, v_packed = pack_kv(k_cache, v_cache)
+    blocks = torch.randperm(12, generator=gen)[:7]
+    for seq_len in (1, 15, 16, 17, 7 * block_size - 3, 7 * block_size):
+        keys, values = torch.ops.tidegate_cpu.gather_kv(k_packed, v_packed, blocks, seq_len)
+        for got, cache in ((keys, k_cache), (values, v_cache)):
+            want = cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+            assert got.is_contiguous() and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.tidegate_cpu.gather_kv(k_packed, v_packed, blocks, 7 * block_size + 1)
+
+
 def test_write_kv_skips_negative_slots_and_refuses_slots_past_the_cache():
     shape = PACKED_KV_LAYOUT.shape(2, 16, NUM_KV_HEADS, 64)
     k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
