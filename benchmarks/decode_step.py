@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import statistics
 import subprocess
@@ -23,16 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from offline_throughput import make_prompts
+
 from common import machine, model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_ENV = ROOT / ".cache" / "peers" / "vllm-env.sh"
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_decode_step.py"
-
-
-def make_prompts(num: int, context: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, vocab_size) for _ in range(context)] for _ in range(num)]
 
 
 def step_ms(generate, prompts, steps: int, repeats: int) -> float:
@@ -61,7 +57,8 @@ def run_tidegate(model_dir: Path, sizes, context: int, steps: int, repeats: int)
         llm.generate(prompts, params)
 
     return {
-        str(n): step_ms(generate, make_prompts(n, context, vocab, n), steps, repeats) for n in sizes
+        str(n): step_ms(generate, make_prompts(vocab, n, context, seed=n), steps, repeats)
+        for n in sizes
     }
 
 
