@@ -120,3 +120,72 @@ def test_a_cpu_without_onednn_bf16_keeps_plain_weights_and_still_runs(tiny_llama
     assert all(getattr(m, "packed", None) is None for m in model.modules())
     _, logits = model_outputs(model, 7)
     assert logits.shape[0] == 7 and torch.isfinite(logits).all()
+
+
+def test_the_row_split_plan_takes_pieces_only_where_they_measured_faster():
+    from tidegate.engine.model.packed_linear import PIECE_ROWS, choose_row_splits
+
+    # rows: (whole, in pieces) seconds
+    measured = {
+        320: (1.0, 0.95),  # faster, but within the noise margin: whole
+        448: (2.0, 1.2),
+        512: (2.2, 1.3),
+        768: (2.0, 2.5),
+        1024: (5.0, 2.0),
+    }
+    assert choose_row_splits(measured) == [(448, PIECE_ROWS), (768, 0), (1024, PIECE_ROWS)]
+    assert choose_row_splits({512: (1.0, 1.0)}) == []  # never faster: no entry at all
+    assert choose_row_splits({}) == []
+
+
+@needs_packing
+def test_a_product_run_in_pieces_is_bitwise_the_same():
+    from tidegate.engine.model.packed_linear import load_cpp_packed_linear, pack, set_row_split
+
+    if not load_cpp_packed_linear():
+        pytest.skip("the C++ op cannot be built here")
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 80, generator=generator).to(BF16)
+    bias = torch.randn(96, generator=generator).to(BF16)
+    packed = pack(weight)
+    x = torch.randn(3, 250, 80, generator=generator).to(BF16)  # 750 rows, 3-D
+    op = torch.ops.tidegate_linear.packed_linear
+    try:
+        set_row_split(96, 80, [])
+        whole = op(x, packed, bias)
+        # 750 rows fall in the second entry: pieces of 64, the last one of 46 rows.
+        set_row_split(96, 80, [(100, 128), (700, 64), (1000, 0)])
+        assert torch.equal(op(x, packed, bias), whole)
+        assert torch.equal(op(x[0, :90], packed, bias), whole[0, :90])  # below the plan
+        with pytest.raises(RuntimeError, match="ascend"):
+            set_row_split(96, 80, [(700, 64), (100, 128)])
+    finally:
+        set_row_split(96, 80, [])
+
+
+@needs_packing
+def test_planning_measures_each_row_count_whole_and_in_pieces_then_leaves_no_plan():
+    from tidegate.engine.model.packed_linear import (
+        PIECE_ROWS,
+        load_cpp_packed_linear,
+        pack,
+        plan_row_splits,
+    )
+
+    if not load_cpp_packed_linear():
+        pytest.skip("the C++ op cannot be built here")
+    packed = pack(torch.randn(64, 32).to(BF16))
+    calls: list[int] = []
+
+    def timer(run):
+        out = run()
+        calls.append(out.shape[0])
+        # Whole and pieces alternate; pieces win at 512 rows only.
+        whole = len(calls) % 2 == 1
+        return 1.0 if whole or out.shape[0] != 512 else 0.5
+
+    plan = plan_row_splits(packed, max_rows=640, timer=timer)
+    assert calls == [320, 320, 384, 384, 448, 448, 512, 512, 640, 640]
+    assert plan == [(512, PIECE_ROWS), (640, 0)]
+    # Measuring leaves the shape unplanned: products run whole until the plan is set.
+    assert plan_row_splits(packed, max_rows=PIECE_ROWS, timer=timer) == []
