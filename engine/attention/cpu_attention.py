@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from tidegate.engine.attention.backend import AttentionMetadata, KVLayout
-from tidegate.engine.attention.torch_attention import attend_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,15 @@ def cpu_kernel_isa() -> str:
     return isa
 
 
+@cache
 def load_cpu_kernels() -> None:
     """Build (first time only) and load the kernels for the ISA of `cpu_kernel_isa()`."""
     build_cpu_extension(SOURCE, "tidegate_cpu", cpu_kernel_isa())
+
+    # What torch.compile traces layer_attention as: an opaque op with the query's shape.
+    @torch.library.register_fake("tidegate_cpu::layer_attention")
+    def _(query, key, value, layer, scale):
+        return torch.empty_like(query)
 
 
 @cache
@@ -259,37 +264,40 @@ class CpuAttentionBackend:
         softmax_scale: float,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys."""
-        out = torch.empty_like(query)
-        out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
-        starts = meta.query_start_loc_cpu[: meta.num_seqs + 1]
-        seq_lens = meta.seq_lens_cpu[: meta.num_seqs]
-        torch.ops.tidegate_cpu.paged_attention(
-            out,
+        return torch.ops.tidegate_cpu.attend(
             query,
             k_cache,
             v_cache,
-            starts,
-            seq_lens,
+            meta.query_start_loc_cpu[: meta.num_seqs + 1],
+            meta.seq_lens_cpu[: meta.num_seqs],
             meta.block_table[: meta.num_seqs],
+            meta.num_tokens,
             softmax_scale,
             self.sliding_window,
             self.max_kernel_query_len,
         )
-        if self.max_kernel_query_len > 0 and meta.max_query_len > self.max_kernel_query_len:
-            block_size = k_cache.shape[2]  # packed: [blocks, heads, block, dim]
-            query_lens = starts[1:] - starts[:-1]
-            for i in (query_lens > self.max_kernel_query_len).nonzero().flatten().tolist():
-                start, end = int(starts[i]), int(starts[i + 1])
-                seq_len = int(seq_lens[i])
-                blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
-                # The context in the standard order, heads first, in one pass over the tiles
-                # (index_select then unpack_kv took 5x as long on 3,800 tokens).
-                keys, values = torch.ops.tidegate_cpu.gather_kv(k_cache, v_cache, blocks, seq_len)
-                out[start:end] = attend_gathered(
-                    query[start:end],
-                    keys.transpose(0, 1),  # [S, Hkv, D] views of the heads-first tensors
-                    values.transpose(0, 1),
-                    seq_len,
-                    softmax_scale,
-                )
-        return out
+
+    # -- The compiled path: one C++ op per layer (custom_op.attention_context) -----------
+
+    @property
+    def layer_op(self):
+        """write_kv then attend for one layer, in C++, over the step set by begin_step."""
+        return torch.ops.tidegate_cpu.layer_attention
+
+    def begin_step(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+    ) -> None:
+        """Hand the step's caches and metadata to the C++ side for `layer_op`."""
+        torch.ops.tidegate_cpu.begin_step(
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            meta.query_start_loc_cpu[: meta.num_seqs + 1],
+            meta.seq_lens_cpu[: meta.num_seqs],
+            meta.block_table[: meta.num_seqs],
+            meta.slot_mapping[: meta.num_tokens],
+            self.sliding_window,
+            self.max_kernel_query_len,
+        )
+
+    def end_step(self) -> None:
+        torch.ops.tidegate_cpu.end_step()

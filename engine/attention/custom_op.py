@@ -8,6 +8,11 @@ compiler treats as a black box with a known output shape (piecewise compilation,
 `unified_attention`). The step's metadata, KV caches and backend are not op arguments: the
 model sets them for the duration of one forward with `attention_context(...)`, and the op
 looks them up, so the compiled graph sees only the token-sized q/k/v.
+
+A backend may also do a whole layer in one op of its own (`layer_op`, the `cpu` backend's
+C++ op): it then gets the step's caches and metadata through `begin_step` when the context
+opens (and `end_step` when it closes), and the model calls that op instead of this one, with
+no Python per layer (`layer_attention_op`).
 """
 
 from __future__ import annotations
@@ -40,10 +45,24 @@ def attention_context(
     """Make one step's backend, caches and metadata visible to every layer's attention."""
     global _context
     previous, _context = _context, _AttentionContext(backend, kv_caches, meta)
+    begin_step = getattr(backend, "begin_step", None)
+    if begin_step is not None:
+        begin_step(kv_caches, meta)
     try:
         yield
     finally:
         _context = previous
+        if begin_step is not None:
+            backend.end_step()
+        # A backend's step state is per process, as this context: an enclosing step's again.
+        if previous is not None and hasattr(previous.backend, "begin_step"):
+            previous.backend.begin_step(previous.kv_caches, previous.meta)
+
+
+def layer_attention_op(backend: AttentionBackend):
+    """The backend's op for a whole layer (q, k, v, layer, scale) -> out, or None: then the
+    model calls `paged_attention`."""
+    return getattr(backend, "layer_op", None)
 
 
 def paged_attention(

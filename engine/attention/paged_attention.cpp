@@ -32,11 +32,19 @@
 //   reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 //   gather_kv(k_cache, v_cache, block_ids, seq_len) -> (keys, values), [kv_heads, seq_len,
 //     head_dim] each: a sequence's context in the standard order, for SDPA
+//   begin_step(k_caches, v_caches, query_start_loc, seq_lens, block_table, slot_mapping,
+//              sliding_window, max_query_len), end_step()
+//   attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, num_tokens,
+//          scale, sliding_window, max_query_len) -> out
+//     The kernel for sequences of up to max_query_len new tokens, SDPA (oneDNN's AMX
+//     kernels) for longer ones over their context gathered from the tiles.
+//   layer_attention(query, key, value, layer, scale) -> out
+//     One layer's whole attention within a step: reshape_and_cache, then attend. The step's
+//     caches and metadata are set once by begin_step, so a compiled graph calls this op
+//     directly, with no Python in between (the Python path cost about 40 us a layer).
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -1059,6 +1067,114 @@ std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at
   return {keys, values};
 }
 
+// -- One step at a time: the state layer_attention reads --------------------------------
+// Set by begin_step and dropped by end_step (the backend's attention context), as the Python
+// context of custom_op.py: one forward at a time per process.
+struct StepState {
+  bool active = false;
+  std::vector<at::Tensor> k_caches, v_caches;
+  at::Tensor query_start_loc, seq_lens, block_table, slot_mapping;
+  int64_t sliding_window = 0, max_query_len = 0;
+};
+
+StepState& step_state() {
+  static StepState state;
+  return state;
+}
+
+void begin_step(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table,
+                at::Tensor slot_mapping, int64_t sliding_window, int64_t max_query_len) {
+  TORCH_CHECK(k_caches.size() == v_caches.size(), "begin_step: ", k_caches.size(),
+              " key caches but ", v_caches.size(), " value caches");
+  TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  block_table.size(0) == seq_lens.size(0),
+              "begin_step: query_start_loc, seq_lens and block_table disagree on the number "
+              "of sequences");
+  StepState& state = step_state();
+  state.k_caches = std::move(k_caches);
+  state.v_caches = std::move(v_caches);
+  state.query_start_loc = std::move(query_start_loc);
+  state.seq_lens = std::move(seq_lens);
+  state.block_table = std::move(block_table);
+  state.slot_mapping = std::move(slot_mapping);
+  state.sliding_window = sliding_window;
+  state.max_query_len = max_query_len;
+  state.active = true;
+}
+
+void end_step() { step_state() = StepState{}; }  // no reference to the caches outlives a step
+
+// SDPA for each sequence of more than max_query_len new tokens, over its context gathered
+// from the tiles into the standard order (heads first).
+void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
+                        int64_t max_query_len) {
+  const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(2);
+  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
+    const int64_t start = qsl[i], query_len = qsl[i + 1] - qsl[i], seq_len = sl[i];
+    if (query_len <= max_query_len) continue;
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    const at::Tensor blocks = block_table[i].narrow(0, 0, num_blocks).to(at::kLong);
+    auto [keys, values] = gather_kv(k_cache, v_cache, blocks, seq_len);
+    // [1, heads, tokens, head_dim]: SDPA's fused CPU kernel takes only 4-D inputs.
+    const at::Tensor q = query.narrow(0, start, query_len).transpose(0, 1).unsqueeze(0);
+    const int64_t context_len = seq_len - query_len;
+    at::Tensor o;
+    if (context_len == 0) {
+      o = at::scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0),
+                                           std::nullopt, 0.0, /*is_causal=*/true, scale,
+                                           /*enable_gqa=*/true);
+    } else {
+      // SDPA's is_causal aligns to the top left; the chunk sits at the bottom right.
+      const auto positions = at::TensorOptions().dtype(at::kLong);
+      const at::Tensor key_pos = at::arange(seq_len, positions);
+      const at::Tensor query_pos = at::arange(context_len, seq_len, positions);
+      const at::Tensor mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1);
+      o = at::scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), mask,
+                                           0.0, /*is_causal=*/false, scale,
+                                           /*enable_gqa=*/true);
+    }
+    out.narrow(0, start, query_len).copy_(o.squeeze(0).transpose(0, 1));
+  }
+}
+
+// The backend's attend: every row of the first num_tokens, the kernel for chunks of up to
+// max_query_len tokens (every chunk when it is 0) and SDPA for longer ones; padding rows
+// past num_tokens are zeros.
+at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                  const at::Tensor& block_table, int64_t num_tokens, double scale,
+                  int64_t sliding_window, int64_t max_query_len) {
+  at::Tensor out = at::empty_like(query);
+  num_tokens = std::clamp<int64_t>(num_tokens, 0, out.size(0));
+  if (out.size(0) > num_tokens) out.narrow(0, num_tokens, out.size(0) - num_tokens).zero_();
+  paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                  sliding_window, max_query_len);
+  if (max_query_len > 0) {
+    attend_long_chunks(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                       scale, max_query_len);
+  }
+  return out;
+}
+
+at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, int64_t layer, double scale) {
+  const StepState& state = step_state();
+  TORCH_CHECK(state.active, "layer_attention: called outside a step (begin_step)");
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(state.k_caches.size()),
+              "layer_attention: layer ", layer, " of ", state.k_caches.size());
+  const at::Tensor& k_cache = state.k_caches[layer];
+  const at::Tensor& v_cache = state.v_caches[layer];
+  reshape_and_cache(key, value, k_cache, v_cache, state.slot_mapping);
+  return attend(query, k_cache, v_cache, state.query_start_loc, state.seq_lens,
+                state.block_table, state.slot_mapping.size(0), scale, state.sliding_window,
+                state.max_query_len);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tidegate_cpu, m) {
@@ -1070,10 +1186,25 @@ TORCH_LIBRARY(tidegate_cpu, m) {
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("gather_kv(Tensor k_cache, Tensor v_cache, Tensor block_ids, int seq_len) -> (Tensor, Tensor)");
+  m.def(
+      "begin_step(Tensor[] k_caches, Tensor[] v_caches, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_table, Tensor slot_mapping, int sliding_window, "
+      "int max_query_len) -> ()");
+  m.def("end_step() -> ()");
+  m.def(
+      "attend(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_table, int num_tokens, float scale, int sliding_window, "
+      "int max_query_len) -> Tensor");
+  m.def("layer_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor");
+  // No tensor arguments to dispatch on: plain functions.
+  m.impl("end_step", &end_step);
 }
 
 TORCH_LIBRARY_IMPL(tidegate_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("gather_kv", &gather_kv);
+  m.impl("begin_step", &begin_step);
+  m.impl("attend", &attend);
+  m.impl("layer_attention", &layer_attention);
 }

@@ -6,7 +6,12 @@ import torch
 from torch import nn
 
 from tidegate.engine.attention.backend import AttentionBackend, AttentionMetadata
-from tidegate.engine.attention.custom_op import KVCache, attention_context, paged_attention
+from tidegate.engine.attention.custom_op import (
+    KVCache,
+    attention_context,
+    layer_attention_op,
+    paged_attention,
+)
 from tidegate.engine.distributed.parallel_state import (
     is_first_stage,
     is_last_stage,
@@ -48,6 +53,9 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
         )
         self.rotary = rotary  # one cos/sin cache shared by all layers
+        # The attention backend's own op for a whole layer, when it has one (set by the
+        # model from its backend): called directly instead of `paged_attention`.
+        self.layer_op = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Attend each new token to its sequence's cached and new tokens."""
@@ -57,7 +65,10 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.layer, self.scale)
+        if self.layer_op is not None:
+            out = self.layer_op(q, k, v, self.layer, self.scale)
+        else:
+            out = paged_attention(q, k, v, self.layer, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -155,6 +166,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config)
+        layer_op = layer_attention_op(backend)
+        for module in self.model.modules():
+            if isinstance(module, LlamaAttention):
+                module.layer_op = layer_op
         self.lm_head = LMHead(config.vocab_size, config.hidden_size) if is_last_stage() else None
         if self.lm_head is not None and config.tie_word_embeddings and self.model.first_stage:
             self.lm_head.tie(self.model.embed_tokens)
