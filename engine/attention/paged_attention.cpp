@@ -45,6 +45,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -1105,8 +1106,159 @@ void begin_step(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_cach
 
 void end_step() { step_state() = StepState{}; }  // no reference to the caches outlives a step
 
-// SDPA for each sequence of more than max_query_len new tokens, over its context gathered
-// from the tiles into the standard order (heads first).
+#ifdef TIDEGATE_BF16_TILES
+// -- Long bf16 chunks on AMX: flash attention through oneDNN's brgemm -------------------
+// torch's cpublas::brgemm runs oneDNN's AMX micro-kernels and keeps the tile configuration
+// consistent with oneDNN's own matmuls (an AMX kernel of our own, configuring the tiles
+// itself, made the linears around it several times slower). Its B operands are in the VNNI
+// order, pairs along the reduced dimension, which is the packed tiles' own: the context's
+// key tiles are copied side by side into Q*K^T's B ([dim / 2][keys][2]) and its value tiles,
+// whole, into P*V's ([keys / 2][dim][2]). Per (head, block of kFlashRows tokens): scores for
+// kFlashKeys keys at a time, the online softmax in fp32 with AVX-512, probabilities in bf16.
+// On 2 Sapphire Rapids cores, a fresh 512-token prompt of 12 heads of 64: 0.79 ms against
+// SDPA's 1.12 (over keys already gathered); the scores' stores bound Q*K^T at this head size.
+constexpr int64_t kFlashRows = 128;  // query tokens of one work item (one head)
+constexpr int64_t kFlashKeys = 512;  // keys per softmax step
+
+// 2^x for the probabilities of P*V (stored as bf16): a degree-4 polynomial on the fraction
+// (relative error below 5e-5) and vscalefps for the power of two, which also takes the
+// underflow of very negative x to 0.
+inline __m512 exp2_fast(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+void flash_chunk_bf16(const at::Tensor& query, at::Tensor& out, int64_t start,
+                      int64_t query_len, int64_t seq_len, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const int32_t* table, double scale) {
+  using bf16 = c10::BFloat16;
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(1), dim = query.size(2);
+  const int64_t group = heads / kv_heads, block_size = k_cache.size(2);
+  const int64_t tiles = (seq_len + KEYS - 1) / KEYS, padded = tiles * KEYS, words = dim / 2;
+  const int64_t context_len = seq_len - query_len;
+  // Keys as Q*K^T's B operand, [kv_heads][dim / 2][padded][2], and values as P*V's,
+  // [kv_heads][padded / 2][dim][2] (both bf16 pairs in 32-bit words).
+  at::Tensor kbuf = at::empty({kv_heads, words, padded}, at::kInt);
+  at::Tensor vbuf = at::empty({kv_heads, padded / 2, dim}, at::kInt);
+  const uint32_t* kc = reinterpret_cast<const uint32_t*>(k_cache.const_data_ptr());
+  const uint32_t* vc = reinterpret_cast<const uint32_t*>(v_cache.const_data_ptr());
+  uint32_t* kb = reinterpret_cast<uint32_t*>(kbuf.mutable_data_ptr());
+  uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf.mutable_data_ptr());
+  at::parallel_for(0, kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, t = item % tiles, pos = t * KEYS;
+      // words of one (block, head) tile: dim * KEYS / 2
+      const int64_t tile =
+          ((table[pos / block_size] * kv_heads + h) * block_size + pos % block_size) * dim / 2;
+      for (int64_t w = 0; w < words; ++w) {
+        std::memcpy(kb + (h * words + w) * padded + pos, kc + tile + w * KEYS, KEYS * 4);
+      }
+      uint32_t* vd = vb + (h * padded / 2 + pos / 2) * dim;
+      std::memcpy(vd, vc + tile, KEYS / 2 * dim * 4);
+      const int n = static_cast<int>(std::min<int64_t>(KEYS, seq_len - pos));
+      if (n < KEYS) {  // keys past the end: stale, even NaN, and 0 * NaN poisons P*V
+        for (int u = 0; u < KEYS / 2; ++u) {
+          const uint32_t keep = 2 * u + 1 < n ? 0xffffffffu : (2 * u < n ? 0x0000ffffu : 0u);
+          for (int64_t d = 0; d < dim; ++d) vd[u * dim + d] &= keep;
+        }
+      }
+    }
+  });
+  const int64_t row_blocks = (query_len + kFlashRows - 1) / kFlashRows;
+  const float scale_log2 = static_cast<float>(scale) * kLog2e;
+  const bf16* q = query.const_data_ptr<bf16>();
+  bf16* o = out.mutable_data_ptr<bf16>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  at::parallel_for(0, heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kFlashRows * kFlashKeys), acc(kFlashRows * dim);
+    std::vector<float> row_max(kFlashRows), row_sum(kFlashRows);
+    std::vector<bf16> probs(kFlashRows * kFlashKeys);
+    for (int64_t item = begin; item < end; ++item) {
+      // The last row blocks see the most keys: they go first.
+      const int64_t h = item % heads, rb = row_blocks - 1 - item / heads;
+      const int64_t r0 = rb * kFlashRows, rows = std::min(kFlashRows, query_len - r0);
+      const int64_t hk = h / group;
+      const bf16* qa = q + (start + r0) * q_tok + h * q_head;
+      const bf16* kh = reinterpret_cast<const bf16*>(kb + hk * words * padded);
+      const bf16* vh = reinterpret_cast<const bf16*>(vb + hk * padded / 2 * dim);
+      const int64_t visible = context_len + r0 + rows;  // keys the last row sees
+      for (int64_t r = 0; r < rows; ++r) row_max[r] = kNegInf, row_sum[r] = 0.f;
+      for (int64_t k0 = 0; k0 < visible; k0 += kFlashKeys) {
+        const int64_t nk = std::min(kFlashKeys, visible - k0);
+        const int64_t nk_pad = (nk + KEYS - 1) / KEYS * KEYS;
+        // Scores of this block of keys: Q [rows, dim] times K^T [dim, nk_pad].
+        at::native::cpublas::brgemm(rows, nk_pad, dim, q_tok, padded, kFlashKeys, false, qa,
+                                    kh + 2 * k0, scores.data(), true);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * kFlashKeys;
+          bf16* pr = probs.data() + r * kFlashKeys;
+          const int64_t see = std::clamp<int64_t>(context_len + r0 + r + 1 - k0, 0, nk_pad);
+          const int64_t lim = std::min(see, nk);
+          __m512 mx = _mm512_set1_ps(kNegInf);
+          int64_t j = 0;
+          for (; j + 16 <= lim; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+          if (j < lim) {
+            const __mmask16 m = (1u << (lim - j)) - 1;
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), m, s + j));
+          }
+          const float block_max = _mm512_reduce_max_ps(mx) * scale_log2;
+          float* a = acc.data() + r * dim;
+          if (lim == 0) {  // nothing visible in this block for this row
+            std::memset(pr, 0, nk_pad * sizeof(bf16));
+            if (k0 == 0) std::memset(a, 0, dim * sizeof(float));
+            continue;
+          }
+          const float m_new = std::max(row_max[r], block_max);
+          const float alpha = k0 == 0 ? 0.f : std::exp2(row_max[r] - m_new);
+          row_max[r] = m_new;
+          const __m512 sc = _mm512_set1_ps(scale_log2), mn = _mm512_set1_ps(m_new);
+          __m512 sum = _mm512_setzero_ps();
+          for (j = 0; j < nk_pad; j += 16) {
+            const int64_t left = lim - j;
+            const __mmask16 m = left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1);
+            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, mn);
+            const __m512 p = _mm512_maskz_mov_ps(m, exp2_fast(x));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+          }
+          row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(sum);
+          if (k0 > 0) {
+            const __m512 al = _mm512_set1_ps(alpha);
+            int64_t d = 0;
+            for (; d + 16 <= dim; d += 16) {
+              _mm512_storeu_ps(a + d, _mm512_mul_ps(al, _mm512_loadu_ps(a + d)));
+            }
+            for (; d < dim; ++d) a[d] *= alpha;
+          }
+        }
+        // acc (rescaled above) += P [rows, nk_pad] times V [nk_pad, dim].
+        at::native::cpublas::brgemm(rows, dim, nk_pad, kFlashKeys, dim, dim, k0 > 0,
+                                    probs.data(), vh + k0 * dim, acc.data(), true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = row_sum[r] > 0 ? 1.f / row_sum[r] : 0.f;
+        const float* a = acc.data() + r * dim;
+        bf16* dst = o + (start + r0 + r) * o_tok + h * o_head;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<bf16>(a[d] * inv);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+#endif  // TIDEGATE_BF16_TILES
+
+// Each sequence of more than max_query_len new tokens: flash_chunk_bf16 for bf16 where
+// oneDNN's brgemm runs (AMX), else SDPA over its context gathered from the tiles into the
+// standard order (heads first).
 void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
@@ -1117,6 +1269,15 @@ void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tens
   for (int64_t i = 0; i < seq_lens.size(0); ++i) {
     const int64_t start = qsl[i], query_len = qsl[i + 1] - qsl[i], seq_len = sl[i];
     if (query_len <= max_query_len) continue;
+#ifdef TIDEGATE_BF16_TILES
+    static const bool brgemm_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
+    if (brgemm_bf16 && query.scalar_type() == at::kBFloat16 && query.size(2) % 2 == 0) {
+      flash_chunk_bf16(query, out, start, query_len, seq_len, k_cache, v_cache,
+                       block_table.const_data_ptr<int32_t>() + i * block_table.stride(0),
+                       scale);
+      continue;
+    }
+#endif
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     const at::Tensor blocks = block_table[i].narrow(0, 0, num_blocks).to(at::kLong);
     auto [keys, values] = gather_kv(k_cache, v_cache, blocks, seq_len);

@@ -168,6 +168,21 @@ def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel_in_one_batch():
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (80, 32), (128, 16)])
+def test_long_chunks_match_dense_reference(head_dim, block_size, group, dtype):
+    # Past the threshold: bf16 where oneDNN's brgemm runs (AMX) takes the flash path on the
+    # packed tiles, the rest SDPA. Fresh prompts, chunks after mid-block context, one longer
+    # than a 128-token work item, two past a 512-key softmax step, NaN past each end.
+    chunks = [(0, 20), (37, 150), (600, 9), (5, 700), (0, 1)]
+
+    out, expected = run_case(chunks, head_dim, block_size, group, dtype, 5, kernel_max=8)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [("fpu avx512f avx512_bf16 amx_bf16 amx_tile", 64), ("fpu avx2 avx512f avx512_bf16", 0)],
