@@ -7,7 +7,9 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -30,6 +32,18 @@ def model_dir(size: str, root: Path | None = None) -> Path:
     if not (folder / "config.json").is_file():
         make_tiny_model(folder, arch="llama", size=size)
     return folder
+
+
+def run_peer_script(script: Path, arguments: list[str], timeout: int = 1800) -> dict:
+    """Run a benchmarks/peers script in vLLM's venv (make bench-peers), with `--out FILE` added;
+    returns the JSON it wrote there."""
+    env = ROOT / ".cache" / "peers" / "vllm-env.sh"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        command = shlex.join([str(script), *arguments, "--out", str(out)])
+        script_line = f"source {shlex.quote(str(env))} && $PEER_VLLM_PYTHON {command}"
+        subprocess.run(["bash", "-c", script_line], check=True, timeout=timeout)
+        return json.loads(out.read_text())
 
 
 def scenario_parser(description: str | None, smoke: bool = True) -> argparse.ArgumentParser:
@@ -166,5 +180,7 @@ class StallScenario:
 def stall_scenario(smoke: bool, smoke_arrivals: list[float] | None = None) -> StallScenario:
     """The prefill-stall workload: small model and 16 streams, or a few seconds for tests."""
     if smoke:
-        return StallScenario("tiny", 4, 500, (1000, 1500), smoke_arrivals or [0.5, 0.8])
+        # Streams long enough to outlast the arrivals on a fast machine: the tiny model makes
+        # a token in about 1.6 ms a step on 2 cores, and 500 tokens ended before 1.0 s.
+        return StallScenario("tiny", 4, 1500, (1000, 1500), smoke_arrivals or [0.5, 0.8])
     return StallScenario("small", 16, 700, (2048, 3800), [6.0, 10.0])

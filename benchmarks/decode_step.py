@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 from offline_throughput import make_prompts
 
-from common import machine, model_dir
+from common import machine, model_dir, run_peer_script
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER_ENV = ROOT / ".cache" / "peers" / "vllm-env.sh"
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_decode_step.py"
 
 
@@ -63,19 +59,10 @@ def run_tidegate(model_dir: Path, sizes, context: int, steps: int, repeats: int)
 
 
 def run_vllm(model_dir: Path, sizes, context: int, steps: int, repeats: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "vllm.json"
-        run = [
-            "$PEER_VLLM_PYTHON",
-            shlex.quote(str(PEER_SCRIPT)),
-            f"--model {shlex.quote(str(model_dir))}",
-            f"--sizes {' '.join(map(str, sizes))}",
-            f"--context {context} --steps {steps} --repeats {repeats}",
-            f"--out {out}",
-        ]
-        script = f"source {shlex.quote(str(PEER_ENV))} && " + " ".join(run)
-        subprocess.run(["bash", "-c", script], check=True, timeout=1800)
-        return json.loads(out.read_text())
+    arguments = ["--model", str(model_dir), "--sizes", *map(str, sizes), "--context", str(context)]
+    return run_peer_script(
+        PEER_SCRIPT, [*arguments, "--steps", str(steps), "--repeats", str(repeats)]
+    )
 
 
 def main() -> None:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm_common import offline_llm
 
 
 def main() -> None:
@@ -31,17 +30,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    model, out = args.model.resolve(), args.out.resolve()
-    # vLLM starts helpers with `python -m`, which puts the working directory first on sys.path;
-    # in the repository root, its operator/ package would shadow the standard library's.
-    os.chdir(tempfile.gettempdir())
-    llm = LLM(
-        model=str(model),
-        dtype="bfloat16",
-        max_model_len=args.context + args.steps + 16,
-        enable_prefix_caching=True,
-        seed=0,
-    )
+    out = args.out.resolve()
+    llm = offline_llm(args.model.resolve(), args.context + args.steps + 16, True)
     vocab = llm.llm_engine.model_config.get_vocab_size()
 
     def generate(prompts, max_tokens):
