@@ -218,13 +218,13 @@ class CpuAttentionBackend:
     """Paged attention for mixed prefill/decode batches with the C++ kernel.
 
     Decodes and chunks go to the kernel, the whole batch in one call. Where the CPU has AMX,
-    a chunk longer than `max_kernel_query_len` is compute-bound and PyTorch's flash attention
-    runs it on oneDNN's tile kernels several times faster than the kernel's vector loops
-    (benchmarks/cpu_attention.py): those chunks take the torch backend's path, one SDPA call
-    each over their gathered keys. `max_kernel_query_len` 0 sends every chunk to the kernel.
+    a chunk longer than `max_kernel_query_len` is compute-bound and oneDNN's tile kernels run
+    it faster than the kernel's vector loops (benchmarks/cpu_attention.py): in bf16 as flash
+    attention on brgemm straight from the packed tiles, in other dtypes as SDPA over its
+    context gathered into the standard order (paged_attention.cpp, attend_long_chunks).
+    `max_kernel_query_len` 0 sends every chunk to the kernel.
 
-    The caches are in the packed layout (`kv_layout`, module docstring) that the kernel
-    reads; a chunk for SDPA gathers its blocks and unpacks them to the standard order.
+    The caches are in the packed layout (`kv_layout`, module docstring) that the kernel reads.
     """
 
     name = "cpu"

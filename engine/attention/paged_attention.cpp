@@ -36,8 +36,9 @@
 //              sliding_window, max_query_len), end_step()
 //   attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, num_tokens,
 //          scale, sliding_window, max_query_len) -> out
-//     The kernel for sequences of up to max_query_len new tokens, SDPA (oneDNN's AMX
-//     kernels) for longer ones over their context gathered from the tiles.
+//     The kernel for sequences of up to max_query_len new tokens; longer ones (where the CPU
+//     has AMX) as flash attention on oneDNN's brgemm in bf16, else SDPA over their context
+//     gathered from the tiles.
 //   layer_attention(query, key, value, layer, scale) -> out
 //     One layer's whole attention within a step: reshape_and_cache, then attend. The step's
 //     caches and metadata are set once by begin_step, so a compiled graph calls this op
@@ -942,6 +943,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// Where, in a contiguous packed cache [blocks, heads, block_size, dim], the KEYS-key tile of KV
+// head h that holds in-block position `offset` starts (in elements).
+inline int64_t packed_tile(int64_t block, int64_t h, int64_t heads, int64_t block_size,
+                           int64_t offset, int64_t dim) {
+  return ((block * heads + h) * block_size + offset / KEYS * KEYS) * dim;
+}
+
 // Stores token rows into the packed tiles, E an unsigned integer of the element's size (the
 // bytes move as they are): one element at a time for V, a pair for K.
 template <typename E>
@@ -966,7 +974,7 @@ void store_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_ca
       const int t = static_cast<int>(offset % KEYS);
       for (int64_t h = 0; h < heads; ++h) {
         // The token's tile for this head: K as [dim / 2][KEYS][2], V as [KEYS / 2][dim][2].
-        const int64_t tile = ((block * heads + h) * block_size + offset / KEYS * KEYS) * dim;
+        const int64_t tile = packed_tile(block, h, heads, block_size, offset, dim);
         const E* ks = k + i * key.stride(0) + h * key.stride(1);
         const E* vs = v + i * value.stride(0) + h * value.stride(1);
         E* kt = kc + tile + 2 * t;  // the pair of element 2w is at kt + w * 2 * KEYS
@@ -1025,8 +1033,8 @@ void gather_tiles(const at::Tensor& k_cache, const at::Tensor& v_cache, const in
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, start = item % tiles * KEYS;
       const int n = static_cast<int>(std::min<int64_t>(KEYS, seq_len - start));
-      const int64_t tile = ((blocks[start / block_size] * heads + h) * block_size +
-                            start % block_size) * dim;
+      const int64_t tile =
+          packed_tile(blocks[start / block_size], h, heads, block_size, start % block_size, dim);
       const P* kt = reinterpret_cast<const P*>(kc + tile);  // [words][KEYS] pairs
       P* kd = reinterpret_cast<P*>(ko + (h * seq_len + start) * dim);
       for (int t = 0; t < n; ++t) {
@@ -1153,9 +1161,8 @@ void flash_chunk_bf16(const at::Tensor& query, at::Tensor& out, int64_t start,
   at::parallel_for(0, kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, t = item % tiles, pos = t * KEYS;
-      // words of one (block, head) tile: dim * KEYS / 2
-      const int64_t tile =
-          ((table[pos / block_size] * kv_heads + h) * block_size + pos % block_size) * dim / 2;
+      const int64_t tile =  // in 32-bit words, a bf16 pair each
+          packed_tile(table[pos / block_size], h, kv_heads, block_size, pos % block_size, dim) / 2;
       for (int64_t w = 0; w < words; ++w) {
         std::memcpy(kb + (h * words + w) * padded + pos, kc + tile + w * KEYS, KEYS * 4);
       }
@@ -1304,8 +1311,8 @@ void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tens
 }
 
 // The backend's attend: every row of the first num_tokens, the kernel for chunks of up to
-// max_query_len tokens (every chunk when it is 0) and SDPA for longer ones; padding rows
-// past num_tokens are zeros.
+// max_query_len tokens (every chunk when it is 0) and attend_long_chunks for longer ones;
+// padding rows past num_tokens are zeros.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   const at::Tensor& block_table, int64_t num_tokens, double scale,

@@ -116,10 +116,10 @@ def test_the_packed_layout_refuses_blocks_it_cannot_tile(block_size, head_dim):
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels cannot build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_long_chunks_gather_and_unpack_packed_blocks_for_sdpa(dtype):
+def test_long_chunks_read_the_packed_blocks_poisoned_past_each_end(dtype):
     # Every chunk is longer than max_kernel_query_len, so the kernel leaves them all to the
-    # SDPA path: blocks gathered from the packed caches, NaN-poisoned past each sequence's
-    # tokens (a fresh prompt takes is_causal, the others a mask).
+    # long-chunk path (flash on brgemm in bf16 with AMX, else SDPA over gathered blocks),
+    # which reads the packed caches, NaN-poisoned past each sequence's tokens.
     chunks = [(100, 70), (0, 80), (37, 65)]
     block_size, head_dim, group = 16, 64, 3
     meta, tables, num_blocks = paged_batch(chunks, block_size, random.Random(7))
