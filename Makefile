@@ -33,14 +33,16 @@ $(CHECKOV):
 # machine. The image test (tests/images/test_images_run.py, `alone`) builds and runs the images
 # with podman: tools/container_tools.sh installs it where it is missing and this is root.
 TEST_WORKERS ?= -n 2 --dist loadfile
+# Each run lists its slowest tests, to see what the suite's time goes to.
+TEST_DURATIONS ?= --durations=15
 test: $(STAMP) $(CHECKOV)
 	tools/container_tools.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q $(TEST_WORKERS) -m "not paired and not alone"
-	$(BIN)/pytest -q $(TEST_WORKERS) -m paired
-	$(BIN)/pytest -q -m alone
+	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m "not paired and not alone"
+	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m paired
+	$(BIN)/pytest -q $(TEST_DURATIONS) -m alone
 
 # The units only, to iterate with (about a minute on 2 cores): no model, no server, no other
 # process, nothing slow. tests/conftest.py gives the marks it leaves out; the slowest five
