@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -104,6 +106,10 @@ class Scheduler:
         self._last_mix = StepMix(0)
         # Executed steps not yet handed over in stats (record_step), oldest first.
         self._step_log: deque[StepTime] = deque(maxlen=_STEP_LOG_MAX)
+        # TIDEGATE_STEP_TRACE=FILE: a JSON line per executed step (when it ended, its time, its
+        # mix and the chunk tuner's decode-only estimate), to see what a latency is made of.
+        trace = os.environ.get("TIDEGATE_STEP_TRACE")
+        self._step_trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         self.num_preemptions = 0
         self.num_steps = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
@@ -223,8 +229,16 @@ class Scheduler:
     def record_step_time(self, seconds: float, mix: StepMix | None = None) -> None:
         """How long a step took to execute (teaches the chunk tuner): the last planned one,
         or (async scheduling, where a later one is planned by then) the one of `mix`."""
+        mix = mix or self._last_mix
+        if self._step_trace is not None:
+            self._trace_step(seconds, mix)
         if self.chunk_tuner is not None:
-            self.chunk_tuner.observe(mix or self._last_mix, seconds)
+            self.chunk_tuner.observe(mix, seconds)
+
+    def _trace_step(self, seconds: float, mix: StepMix) -> None:
+        base = self.chunk_tuner.base(mix.decodes) if self.chunk_tuner is not None else None
+        line = {"t": time.time(), "s": seconds, **mix._asdict(), "base": base}
+        self._step_trace.write(json.dumps(line) + "\n")
 
     def record_step(self, seconds: float, mix: StepMix | None = None) -> None:
         """A step's wall time for the step metrics (the next stats hand it over): the last

@@ -4,6 +4,7 @@ however deep into its prompt a chunk is."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -204,3 +205,27 @@ def test_chunks_grow_no_faster_than_doubling_past_what_was_measured():
     assert sizes[0] == 64  # four blocks: twice 16 would be less
     assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))
     assert sizes[-1] > sizes[0]
+
+
+def test_step_trace_writes_each_steps_time_mix_and_estimate(tmp_path, monkeypatch):
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TIDEGATE_STEP_TRACE", str(trace))
+    scheduler = make_scheduler(max_num_batched_tokens=2048)
+    scheduler.limits.adaptive_chunking = True
+    scheduler.chunk_tuner = ChunkSizeTuner(scheduler.block_size, 2048)
+    for i in range(4):
+        scheduler.add_request(make_request(f"d{i}", 20, max_tokens=50, base=100 * (i + 1)))
+    times = []
+    for _ in range(6):
+        step(scheduler)
+        times.append(step_seconds(scheduler.last_mix))
+        scheduler.record_step_time(times[-1])
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [line["s"] for line in lines] == times
+    # The first step computes the four prompts; the rest decode them, each step estimated
+    # from the decode-only steps before it.
+    assert (lines[0]["decodes"], lines[0]["prefill_tokens"], lines[0]["base"]) == (0, 80, None)
+    assert [(line["decodes"], line["prefill_tokens"]) for line in lines[1:]] == [(4, 0)] * 5
+    assert lines[1]["base"] is None
+    assert lines[2]["base"] == pytest.approx(step_seconds(StepMix(4)))
+    assert all(b["t"] >= a["t"] for a, b in itertools.pairwise(lines))
