@@ -176,10 +176,7 @@ def test_engine_with_decode_graphs_gives_eager_tokens(tiny_llama_dir, level):
         ([[*shared, *range(50, 90)]], [SamplingParams(temperature=0, max_tokens=4)]),
         (
             [[*shared, *range(100 + 7 * i, 101 + 8 * i)] for i in range(7)],
-            [
-                SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True)
-                for i in range(7)
-            ],
+            [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(7)],
         ),
     ]
     for prompts, params in rounds:
