@@ -12,15 +12,6 @@ engine core: `child_environment` puts the library in LD_PRELOAD for the spawn on
 the worker processes the engine core spawns inherit it. The API server keeps glibc: it
 allocates little. `LLM` runs the engine in its own process, so it keeps whatever malloc the
 program started with (start Python with LD_PRELOAD to give it tcmalloc).
-
-The same spawn sets THP_MEM_ALLOC_ENABLE=1 on CPU (unless it is set already): torch's CPU
-allocator then aligns every allocation of 2 MiB or more to 2 MiB and asks for transparent
-huge pages on it (madvise), which a kernel whose THP mode is `madvise` (the common default)
-grants only so. The KV caches and the weights are then on 2 MiB pages: a decode reads its
-blocks from anywhere in a cache of gigabytes, and on 4 KiB pages nearly every tile it reads
-misses the TLB. On the small model (bf16, 2 cores) a decode step of 16-32 sequences took
-2-6% less (benchmarks/README.md, "huge pages"). torch reads the variable once, at its first
-allocation: it must be in the environment when the process starts.
 """
 
 from __future__ import annotations
@@ -44,8 +35,6 @@ LIBRARY_DIRS = (
     "/usr/local/lib",
     "/usr/lib",
 )
-# torch's switch for transparent huge pages under its CPU allocations of 2 MiB and more.
-THP_ENV = "THP_MEM_ALLOC_ENABLE"
 # Names of mallocs a user may already have preloaded; theirs wins.
 _PRELOADED_MALLOCS = ("tcmalloc", "jemalloc", "mimalloc")
 
@@ -105,28 +94,24 @@ def preload_for(
 
 @contextlib.contextmanager
 def child_environment(allocator: CpuAllocator, device: str) -> Iterator[None]:
-    """Within the block, processes spawned get tcmalloc in LD_PRELOAD (as `preload_for` says)
-    and, on CPU, torch's huge pages (THP_MEM_ALLOC_ENABLE=1) unless the variable is set.
+    """Within the block, processes spawned get tcmalloc in LD_PRELOAD (as `preload_for` says).
 
-    The variables are restored afterwards, so this process's other children are unaffected.
+    The variable is restored afterwards, so this process's other children are unaffected.
     Spawning copies the environment when the child is forked, before `start()` returns.
     """
-    settings = {}
-    preload = preload_for(allocator, device, os.environ.get("LD_PRELOAD", ""), LIBRARY_DIRS)
-    if preload is not None:
-        settings["LD_PRELOAD"] = preload
-    if THP_ENV not in os.environ and runs_on_cpu(device):
-        settings[THP_ENV] = "1"
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
+    before = os.environ.get("LD_PRELOAD")
+    preload = preload_for(allocator, device, before or "", LIBRARY_DIRS)
+    if preload is None:
+        yield
+        return
+    os.environ["LD_PRELOAD"] = preload
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def allocator_in_use(maps: str = "/proc/self/maps") -> str:

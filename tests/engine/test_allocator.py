@@ -83,21 +83,6 @@ def test_the_preload_lasts_only_for_the_spawn(
     assert "LD_PRELOAD" not in os.environ
 
 
-def test_engine_cores_on_cpu_get_huge_pages_unless_the_variable_is_set(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    with child_environment("system", "cpu"):
-        assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-    assert "THP_MEM_ALLOC_ENABLE" not in os.environ
-    with child_environment("auto", "cuda"):
-        assert "THP_MEM_ALLOC_ENABLE" not in os.environ
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
-    with child_environment("auto", "cpu"):
-        assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
-
-
 def test_reads_the_malloc_from_the_process_maps(tmp_path: Path) -> None:
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n")
@@ -121,46 +106,6 @@ def spawn_and_report(name: str) -> str:
         return queue.get(timeout=60)
     finally:
         child.join(timeout=30)
-
-
-def _report_huge_pages(queue: multiprocessing.Queue) -> None:
-    import torch
-
-    cache = torch.zeros(64 << 20, dtype=torch.uint8)  # a 64 MiB tensor, as a KV cache
-    rollup = Path("/proc/self/smaps_rollup").read_text()
-    kib = next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHuge"))
-    queue.put((int(kib), cache.numel()))
-
-
-def thp_mode() -> str | None:
-    """The kernel's transparent huge page mode (always, madvise or never), None if unknown."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
-
-
-@pytest.mark.skipif(
-    thp_mode() in (None, "never") or not Path("/proc/self/smaps_rollup").exists(),
-    reason="the kernel gives no transparent huge pages here",
-)
-def test_a_spawned_engine_process_puts_its_large_tensors_on_huge_pages(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # In `madvise` mode (this machine's and most distributions') only torch's madvise, which
-    # the variable turns on, gets them.
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with child_environment("system", "cpu"):
-        child = ctx.Process(target=_report_huge_pages, args=(queue,))
-        child.start()
-    try:
-        huge_kib, _ = queue.get(timeout=60)
-    finally:
-        child.join(timeout=30)
-    assert huge_kib >= 32 << 10  # most of the 64 MiB
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
