@@ -80,6 +80,7 @@ from tidegate.operator.up_adapters import (
     AdapterError,
     AdapterWatcher,
     LocalAdapters,
+    manifest_state,
     read_adapters_file,
     write_adapters_file,
 )
@@ -764,11 +765,21 @@ def adapter_watcher(
     spec: LLMDeploymentSpec,
     workdir: Path,
     claim_dirs: Mapping[str, Path] | None = None,
+    started_from: tuple[int, str] | None = None,
 ) -> AdapterWatcher:
-    """What follows spec.adapters in `file` into the adapters file plan() wrote in `workdir`."""
+    """What follows spec.adapters in `file` into the adapters file plan() wrote in `workdir`;
+    `started_from`: manifest_state(file) from before `resource` was read (None: now)."""
     local = local_adapters(spec, workdir, claim_dirs)
     adapters_path = local_config_dir(workdir) / ADAPTERS_KEY
-    return AdapterWatcher(file, resource, local, adapters_path, read_adapters_file(adapters_path))
+    written = read_adapters_file(adapters_path)
+    return AdapterWatcher(file, resource, local, adapters_path, written, started_from)
+
+
+def _manifest_state_or_none(file: Path) -> tuple[int, str] | None:
+    try:
+        return manifest_state(file)
+    except OSError:
+        return None  # load_llm_deployments says what is wrong with the file
 
 
 def run_up(
@@ -776,6 +787,8 @@ def run_up(
 ) -> int:
     """The `tidegate up` command: 0 after SIGTERM/Ctrl-C, 1 when it cannot run the file."""
     try:
+        # Before the read: a save while the engines start is then seen as one (adapter_watcher).
+        started_from = _manifest_state_or_none(Path(file))
         resources = load_llm_deployments(file)
         if len(resources) != 1:
             raise UpError(f"{file} holds {len(resources)} LLMDeployments; up runs exactly one")
@@ -805,7 +818,7 @@ def run_up(
         print("\n".join(table(pods)), flush=True)
         print(f"{name}: serving on http://127.0.0.1:{port}/v1 (logs in {workdir})", flush=True)
         _start_autoscaler(spec, pods, port, supervisor.stopping)
-        watcher = adapter_watcher(Path(file), resource, spec, workdir, claim_dirs)
+        watcher = adapter_watcher(Path(file), resource, spec, workdir, claim_dirs, started_from)
         watcher.others_followed = spec.canary()
         threading.Thread(
             target=watcher.run, args=(supervisor.stopping,), name="up-adapters", daemon=True

@@ -123,6 +123,11 @@ def _beside_adapters(resource: Mapping[str, Any]) -> Any:
     return meta.get("name"), meta.get("namespace"), spec
 
 
+def manifest_state(file: Path) -> tuple[int, str]:
+    """A manifest's modification time and text: a save changes one or both."""
+    return file.stat().st_mtime_ns, file.read_text(encoding="utf-8")
+
+
 class AdapterWatcher:
     """Follows spec.adapters in the manifest `tidegate up` runs, into the engines' file."""
 
@@ -133,11 +138,14 @@ class AdapterWatcher:
         local: LocalAdapters,
         adapters_path: Path,
         written: list[tuple[str, str]],
+        started_from: tuple[int, str] | None = None,
     ) -> None:
         self.file = file
         self.local = local
         self.adapters_path = adapters_path
-        self._seen = self._saved()
+        # The manifest as `resource` was read from it (manifest_state before the read): a save
+        # while the engines start, before this watcher exists, is still a change to apply.
+        self._seen = started_from if started_from is not None else self._saved()
         self._started = _beside_adapters(resource)
         self._lora = (resource.get("spec") or {}).get("adapters") is not None
         self._written = written
@@ -145,8 +153,7 @@ class AdapterWatcher:
         self.others_followed = False
 
     def _saved(self) -> tuple[int, str]:
-        """The manifest's modification time and text: a save changes one or both."""
-        return self.file.stat().st_mtime_ns, self.file.read_text(encoding="utf-8")
+        return manifest_state(self.file)
 
     def poll(self) -> Update | None:
         """Look at the manifest once; None when it was not saved since the last look."""

@@ -22,7 +22,7 @@ from tidegate.operator.manifest import load_llm_deployments
 from tidegate.operator.render import cached_adapter_dir
 from tidegate.operator.spec import parse_spec
 from tidegate.operator.up import UpError, adapter_watcher, plan, plan_pods
-from tidegate.operator.up_adapters import AdapterError, LocalAdapters
+from tidegate.operator.up_adapters import AdapterError, LocalAdapters, manifest_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,6 +148,28 @@ def test_an_adapter_added_to_the_manifest_rewrites_the_file_and_restarts_nothing
     assert update is not None and update.written == ["sql"] and update.restart_needed == []
     assert [a["name"] for a in up.listed()] == ["sql"]
     up.assert_nothing_restarted()
+
+
+def test_a_save_while_the_engines_start_is_applied_by_the_watchers_first_look(
+    tmp_path: Path,
+) -> None:
+    # run_up reads the manifest, starts the engines, then makes the watcher: a save in between
+    # (a CI run saved it 0.4 s after the server answered) must not become the watcher's
+    # baseline, or it would never be applied.
+    chat, sql = on_node("chat", tmp_path / "chat"), on_node("sql", tmp_path / "sql")
+    file, resource = tmp_path / "llm.yaml", manifest([chat])
+    file.write_text(yaml.safe_dump(resource, sort_keys=False))
+    started_from = manifest_state(file)
+    workdir = tmp_path / "up"
+    _, spec = plan(resource, Path("/m"), 9000, workdir)
+    file.write_text(yaml.safe_dump(manifest([chat, sql]), sort_keys=False))
+    watcher = adapter_watcher(file, resource, spec, workdir, started_from=started_from)
+    update = watcher.poll()
+    assert update is not None and update.written == ["chat", "sql"]
+    assert watcher.poll() is None
+    # Without the state from before the read, the watcher takes the file as it is now.
+    file.write_text(yaml.safe_dump(manifest([chat, sql]), sort_keys=False))
+    assert adapter_watcher(file, resource, spec, workdir).poll() is None
 
 
 def test_other_changes_are_only_reported_as_needing_a_restart(tmp_path: Path) -> None:
