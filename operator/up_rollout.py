@@ -44,6 +44,7 @@ from tidegate.operator.spec import SpecError
 from tidegate.operator.step_fit import parse_step_totals
 from tidegate.operator.tuning import MeasuredChunks
 from tidegate.operator.up import LocalConfig, LocalPod
+from tidegate.operator.up_adapters import manifest_state
 
 logger = logging.getLogger("tidegate.up")
 
@@ -109,13 +110,10 @@ class LocalRollout:
             except Exception:
                 logger.exception("canary: a look failed; next period")
 
-    def _saved(self) -> tuple[int, str]:
-        return self.file.stat().st_mtime_ns, self.file.read_text(encoding="utf-8")
-
     def _read_manifest(self) -> dict[str, Any] | None:
         """The manifest's resource once it was saved since the last look, else None."""
         try:
-            saved = self._saved()
+            saved = manifest_state(self.file)
         except OSError:
             return None  # an editor's save in progress; the next look sees it
         if saved == self._seen:
