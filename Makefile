@@ -23,7 +23,7 @@ $(CHECKOV):
 	$(PYTHON) -m venv .cache/tools/checkov
 	.cache/tools/checkov/bin/pip install --quiet checkov==3.3.30
 
-# The whole suite, as CI runs it: lint, format, import layers, then every test in three runs
+# The suite: lint, format, import layers, then the tests (bar the `slow` ones outside CI) in three runs
 # (the marks are given in tests/conftest.py). First all but the e2e modules that kill, restart
 # or time things, one test file per worker on each of the two cores (pytest-xdist; TEST_WORKERS=
 # runs each run in one process); then the `paired` e2e modules (faults, restarts, P/D,
@@ -35,14 +35,19 @@ $(CHECKOV):
 TEST_WORKERS ?= -n 2 --dist loadfile
 # Each run lists its slowest tests, to see what the suite's time goes to.
 TEST_DURATIONS ?= --durations=15
+# The heavy cases (the `slow` mark: benchmark smokes, compiles, CUDA-graph and Triton kernels
+# in the interpreter, the wheel, the images, canaries) run in CI (CI=true, as .ci/run is run
+# there) or with SLOW=1: about 17 minutes of pytest with them on 2 cores, 8 without.
+SLOW ?= $(if $(filter true 1,$(CI)),1,)
+NOT_SLOW := $(if $(filter 1 true yes,$(SLOW)),,and not slow)
 test: $(STAMP) $(CHECKOV)
 	tools/container_tools.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m "not paired and not alone"
-	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m paired
-	$(BIN)/pytest -q $(TEST_DURATIONS) -m alone
+	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m "not paired and not alone $(NOT_SLOW)"
+	$(BIN)/pytest -q $(TEST_WORKERS) $(TEST_DURATIONS) -m "paired $(NOT_SLOW)"
+	$(BIN)/pytest -q $(TEST_DURATIONS) -m "alone $(NOT_SLOW)"
 
 # The units only, to iterate with (about a minute on 2 cores): no model, no server, no other
 # process, nothing slow. tests/conftest.py gives the marks it leaves out; the slowest five
