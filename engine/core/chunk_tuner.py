@@ -2,7 +2,9 @@
 
 With `--long-prefill-token-threshold auto` the scheduler asks this tuner, every step, how many
 prompt tokens a request may compute. The tuner learns from the step times it is shown:
-- decode-only steps fit base(d) = a + b*d, the time of a step with d decodes;
+- decode-only steps fit base(d) = a + b*d, the time of a step with d decodes (b by a
+  least-squares fit that follows the load, a as the median over the last 32 such steps, so
+  that one slow step does not move it);
 - steps with prefill tokens fit what they cost beyond base(d) as
   c_token * p + c_pair * q + c_key * k, for p prompt tokens whose attention covers q (token,
   key) pairs and reads k keys (each chunk its context and itself). A chunk deep into a long
@@ -20,8 +22,10 @@ there is nobody to protect and prompts take the whole token budget.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
+import statistics
 from typing import NamedTuple
 
 from tidegate.common.linear import determinant, solve
@@ -30,6 +34,14 @@ from tidegate.common.linear import determinant, solve
 DEFAULT_SLACK = 0.5
 # Weight of the newest observation in the decode-only estimate: it follows the load quickly.
 _LEARNING_RATE = 0.2
+# ... for its slope; its level is the median over the last this many decode-only steps. A
+# long prompt's chunks leave no decode-only step to learn from, so the estimate they are sized
+# against is the one from just before it arrived, for all of its prefill: a mean over the
+# last few steps (as the slope's fit is) made one slow step there (a page fault, a collection,
+# a burst of the API server's) the bound of every chunk after it, and took chunk steps to
+# 1.5 x 1.4 of a typical decode step (prefill-stall traces: an estimate of 27.7 ms frozen
+# after steps of 19-20 ms with a few of 25-36).
+_RECENT_STEPS = 32
 # ... and in the prefill costs': three costs need more than a handful of noisy steps to be
 # told apart (about the last 20 here), or the fit jumps from one term to another each step.
 _PREFILL_LEARNING_RATE = 0.05
@@ -71,6 +83,8 @@ class ChunkSizeTuner:
         self.slack = slack
         # Exponentially weighted sums for the least-squares fit of base(d) = a + b*d.
         self._w = self._wd = self._wdd = self._wt = self._wdt = 0.0
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=_RECENT_STEPS)
+        self._level = 0.0  # median over the recent decode-only steps of t - slope * d
         # ... and for excess = c . (p, q, k) (no intercept): sums of f_i * f_j, f_i * excess
         # and excess^2 over the prefill steps' features f = (tokens, pairs, keys).
         self._ff = [[0.0] * _COSTS for _ in range(_COSTS)]
@@ -89,12 +103,15 @@ class ChunkSizeTuner:
         """Estimated seconds of a decode-only step with this many decodes."""
         if self._w == 0.0:
             return None
+        slope = self._slope()
+        return max(1e-6, self._level + slope * num_decodes)
+
+    def _slope(self) -> float:
         mean_d, mean_t = self._wd / self._w, self._wt / self._w
         var_d = self._wdd / self._w - mean_d**2
-        slope = 0.0
-        if var_d > 1e-9:
-            slope = max(0.0, (self._wdt / self._w - mean_d * mean_t) / var_d)
-        return max(1e-6, mean_t + slope * (num_decodes - mean_d))
+        if var_d <= 1e-9:
+            return 0.0
+        return max(0.0, (self._wdt / self._w - mean_d * mean_t) / var_d)
 
     def observe(self, mix: StepMix, seconds: float) -> None:
         """Learn from one executed step."""
@@ -108,6 +125,9 @@ class ChunkSizeTuner:
             self._wdd = self._wdd * keep + decodes**2
             self._wt = self._wt * keep + seconds
             self._wdt = self._wdt * keep + decodes * seconds
+            self._recent.append((decodes, seconds))
+            slope = self._slope()
+            self._level = statistics.median(t - slope * d for d, t in self._recent)
             return
         base = self.base(decodes)
         if base is None:

@@ -207,6 +207,42 @@ def test_chunks_grow_no_faster_than_doubling_past_what_was_measured():
     assert sizes[-1] > sizes[0]
 
 
+def test_a_few_slow_decode_steps_just_before_a_prompt_do_not_set_its_chunks_bound():
+    # Decode steps of 20 ms with jitter, then a slow patch (a collection, a page fault, a
+    # neighbour's burst) right before a long prompt arrives: the estimate its chunks are
+    # sized against for all of its prefill stays a typical step's.
+    rng = random.Random(5)
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    for _ in range(60):
+        tuner.observe(StepMix(16), 0.020 * rng.uniform(0.97, 1.03))
+    for slow in (0.026, 0.025, 0.027, 0.036):
+        tuner.observe(StepMix(16), slow)
+    assert tuner.base(16) == pytest.approx(0.020, rel=0.04)
+
+
+def test_the_estimate_follows_a_lasting_change_within_half_its_window():
+    # The machine got slower for good (the streams' contexts grew, a neighbour came): the
+    # median moves once half the recent steps are the new ones.
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    for _ in range(40):
+        tuner.observe(StepMix(16), 0.020)
+    for _ in range(17):
+        tuner.observe(StepMix(16), 0.030)
+    assert tuner.base(16) == pytest.approx(0.030)
+
+
+def test_the_estimate_of_a_step_scales_with_its_decodes_from_the_recent_level():
+    # Steps of 8 to 24 decodes at 20 ms + 1 ms each: the level is a median of the steps'
+    # times less their decodes' share, so each count gets its own time.
+    rng = random.Random(9)
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    for _ in range(80):
+        d = rng.randint(8, 24)
+        tuner.observe(StepMix(d), 0.020 + 0.001 * d)
+    assert tuner.base(8) == pytest.approx(0.028, rel=0.01)
+    assert tuner.base(24) == pytest.approx(0.044, rel=0.01)
+
+
 def test_step_trace_writes_each_steps_time_mix_and_estimate(tmp_path, monkeypatch):
     trace = tmp_path / "steps.jsonl"
     monkeypatch.setenv("TIDEGATE_STEP_TRACE", str(trace))
