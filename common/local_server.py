@@ -3,24 +3,70 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import IO
 
+# Ports free_port handed out lately, by any process of this user on this machine: one line
+# "port unix-time" each, under an exclusive lock.
+PORT_REGISTRY = Path(tempfile.gettempdir()) / f"tidegate-ports-{os.getuid()}"
+# How long a port handed out stays reserved: longer than any server takes to bind its port.
+PORT_RESERVATION_S = 600.0
+
 
 def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on right now, and that no free_port call on this machine has
+    handed out in the last ten minutes.
+
+    The port is free when the caller gets it; the server it is meant for binds it seconds
+    later. Without the reservation, another process starting a server meanwhile (pytest's
+    other worker, a second `tidegate up`) was now and then given the same port: the second
+    server failed to bind, and its caller's health checks were answered by the first (a CI
+    run's router sent every decode leg to another test's producer).
+    """
+    with _port_registry() as handed_out:
+        for _ in range(64):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in handed_out:
+                break
+        handed_out[port] = time.time()
+        return port
+
+
+@contextlib.contextmanager
+def _port_registry():
+    """The reserved ports (port -> when), locked; written back, less expired ones, on exit.
+    Where the file cannot be opened (a read-only /tmp), no reservation: a port free now."""
+    try:
+        registry = open(PORT_REGISTRY, "a+")  # noqa: SIM115 (closed below)
+    except OSError:
+        yield {}
+        return
+    with registry:
+        fcntl.flock(registry, fcntl.LOCK_EX)
+        registry.seek(0)
+        now, handed_out = time.time(), {}
+        for line in registry.read().splitlines():
+            with contextlib.suppress(ValueError):
+                port, when = line.split()
+                if now - float(when) < PORT_RESERVATION_S:
+                    handed_out[int(port)] = float(when)
+        yield handed_out
+        registry.seek(0)
+        registry.truncate()
+        registry.write("".join(f"{port} {when}\n" for port, when in handed_out.items()))
 
 
 def tidegate_command() -> list[str]:

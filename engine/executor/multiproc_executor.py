@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 from concurrent.futures import Future
 
 import msgspec
 
+from tidegate.common.local_server import free_port
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.distributed.node_link import NodeLinks
 from tidegate.engine.distributed.node_link import init_method as node_init_method
@@ -36,10 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 def free_init_method() -> str:
-    """A tcp:// rendezvous address for torch.distributed on a port that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    """A tcp:// rendezvous address for torch.distributed on a port that is free right now
+    (and reserved against other starts on this machine: `free_port`)."""
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 class MultiprocExecutor(Executor):
