@@ -280,3 +280,20 @@ def test_tenant_fairness_runs_b_alone_and_beside_a_flood_under_fcfs_and_fair(tmp
     assert "--max-running-per-tenant" in result["results"]["A floods, fair, running cap"]["flags"]
     assert result["machine"]["load_average_1m_at_start"] >= 0
     assert "<!-- tenant-fairness -->" in readme.read_text()
+
+
+@pytest.mark.slow
+def test_cuda_graphs_script_checks_async_parity_and_times_steps_without_a_gpu(tmp_path):
+    # The GPU run's script (benchmarks/gpu_check.sh runs it with and without async
+    # scheduling), on CPU at level 0: async tokens against a synchronous engine's, and each
+    # batch's decode-only steps timed.
+    out = tmp_path / "cuda_graphs.json"
+    command = [sys.executable, str(BENCHMARKS / "cuda_graphs.py"), "--device", "cpu"]
+    command += ["--levels", "0", "--async-scheduling", "--batch-sizes", "1", "4"]
+    subprocess.run([*command, "--output-len", "8", "--out", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["scheduling"] == "async scheduling"
+    assert result["parity"].endswith("equal synchronous level 0's")
+    for figures in result["levels"]["0"]["decode_step"].values():
+        assert figures["decode_steps"] == 7  # 8 tokens: the first from the prompt's step
+        assert 0 < figures["median_ms"] <= figures["median_interval_ms"] * 2
