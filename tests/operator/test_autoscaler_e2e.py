@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +32,7 @@ from tests.operator.test_operator_e2e import (
     status,
     tiny_spec,
 )
+from tidegate.common.local_server import free_port
 from tidegate.operator.cluster_scaler import DELETION_COST
 from tidegate.operator.handlers import OperatorOptions
 from tidegate.operator.kube import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, object_path
@@ -146,12 +146,6 @@ def add_pod(
             },
         }
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 METRICS_PORT = free_port()
