@@ -38,8 +38,7 @@ TEST_DURATIONS ?= --durations=15
 # The heavy cases (the `slow` mark: benchmark smokes, compiles, CUDA-graph and Triton kernels
 # in the interpreter, the wheel, the images, canaries) run in CI (CI=true, as .ci/run is run
 # there) or with SLOW=1: about 17 minutes of pytest with them on 2 cores, 8 without.
-SLOW ?= $(if $(filter true 1,$(CI)),1,)
-NOT_SLOW := $(if $(filter 1 true yes,$(SLOW)),,and not slow)
+NOT_SLOW := $(if $(filter 1 true,$(CI) $(SLOW)),,and not slow)
 test: $(STAMP) $(CHECKOV)
 	tools/container_tools.sh
 	$(BIN)/ruff check .
