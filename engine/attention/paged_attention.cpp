@@ -398,7 +398,13 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
 // layout is what vdpbf16ps takes: keys as bf16-pair words with 16 keys in a vector, against
 // a row's broadcast query words; values in pairs of keys, against a row's broadcast pair of
 // probabilities. Nothing is transposed or packed per step. The online softmax steps over
-// two tiles (2 * KEYS keys).
+// two tiles (2 * KEYS keys) at a time, in segments of kSegmentPairs pairs: a segment's
+// scores first (its keys only), then its softmax steps and values; while a pair's keys are
+// read, a line of each of the next pair's key tiles and of its own value tiles is
+// prefetched per step. Decodes of 16 sequences of 600 tokens over 12 layers' caches (bound
+// by DRAM, as the engine's are) took 0.59 ms a layer against 0.70 with one pair's keys,
+// softmax and values in turn and the next pair prefetched at once (cpu_attention.py).
+constexpr int kSegmentPairs = 16;  // 512 keys; their scores take 8 KB of stack for 4 rows
 struct FewRows {
   int64_t h;                          // KV head
   int64_t key_begin, key_end;         // keys [key_begin, key_end) of the sequence
@@ -458,6 +464,7 @@ inline float softmax_pair(__m512 a, __m512 b, float& row_max, float& row_sum, ui
 // are copied with the stale keys zeroed.
 struct PairTiles {
   const uint32_t *k0, *k1, *v0, *v1;
+  const char *nk0, *nk1;  // the next pair's key tiles, to prefetch
   bool second;
 };
 template <int HEAD>
@@ -473,16 +480,13 @@ inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const c10::BFloa
   const int64_t n = f.key_end - base;
   if (n < KEYS) t.v1 = t.v0 = partial_values<HEAD>(t.v0, static_cast<int>(n), vz);
   else if (t.second && n < 2 * KEYS) t.v1 = partial_values<HEAD>(t.v1, static_cast<int>(n - KEYS), vz);
-  // The next step's tiles, while this one computes: their blocks are anywhere in the cache,
-  // so the hardware prefetcher cannot guess them.
-  for (int64_t next = base + 2 * KEYS; next < std::min(base + 4 * KEYS, f.key_end); next += KEYS) {
-    const char* kn = reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next, f.h));
-    const char* vn = reinterpret_cast<const char*>(cache_tile(p, v_cache, f.table, next, f.h));
-    for (int line = 0; line < KEYS * HEAD * 2; line += 64) {
-      _mm_prefetch(kn + line, _MM_HINT_T0);
-      _mm_prefetch(vn + line, _MM_HINT_T0);
-    }
-  }
+  // The next pair's key tiles (this pair's when it is the last): prefetched while this
+  // pair computes.
+  const int64_t next = base + 2 * KEYS < f.key_end ? base + 2 * KEYS : base;
+  t.nk0 = reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next, f.h));
+  t.nk1 = next + KEYS < f.key_end
+              ? reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next + KEYS, f.h))
+              : t.nk0;
   return t;
 }
 
@@ -508,35 +512,58 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
     row_sum[r] = 0.f;
   }
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
-  for (int64_t base = f.key_begin / KEYS * KEYS; base < f.key_end; base += 2 * KEYS) {
-    const PairTiles t = pair_tiles<HEAD>(p, f, k_cache, v_cache, base, vz);
-    __m512 s0[R], s1[R];
-    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  const int64_t first = f.key_begin / KEYS * KEYS;
+  for (int64_t seg = first; seg < f.key_end; seg += 2 * KEYS * kSegmentPairs) {
+    PairTiles t[kSegmentPairs];
+    __m512 s0[kSegmentPairs][R], s1[kSegmentPairs][R];
+    int pairs = 0;
+    for (int64_t base = seg; pairs < kSegmentPairs && base < f.key_end;
+         base += 2 * KEYS, ++pairs) {
+      const PairTiles& tp = t[pairs] = pair_tiles<HEAD>(p, f, k_cache, v_cache, base, vz);
+      __m512 a0[R], a1[R];
+      for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+      const char* vp0 = reinterpret_cast<const char*>(tp.v0);
+      const char* vp1 = reinterpret_cast<const char*>(tp.v1);
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) {
-      const __m512bh a = as_bh(_mm512_loadu_si512(t.k0 + w * KEYS));
-      const __m512bh b = as_bh(_mm512_loadu_si512(t.k1 + w * KEYS));
+      for (int w = 0; w < W; ++w) {
+        // A line of each of the next pair's key tiles and of this pair's value tiles per
+        // step: the blocks are anywhere in the cache, so the hardware prefetcher cannot
+        // guess them, and one line per step keeps the loads in flight spread out.
+        _mm_prefetch(tp.nk0 + 64 * w, _MM_HINT_T0);
+        _mm_prefetch(tp.nk1 + 64 * w, _MM_HINT_T0);
+        _mm_prefetch(vp0 + 64 * w, _MM_HINT_T1);
+        _mm_prefetch(vp1 + 64 * w, _MM_HINT_T1);
+        const __m512bh a = as_bh(_mm512_loadu_si512(tp.k0 + w * KEYS));
+        const __m512bh b = as_bh(_mm512_loadu_si512(tp.k1 + w * KEYS));
+        for (int r = 0; r < R; ++r) {
+          const __m512bh qw = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][w])));
+          a0[r] = _mm512_dpbf16_ps(a0[r], a, qw);
+          a1[r] = _mm512_dpbf16_ps(a1[r], b, qw);
+        }
+      }
+      const bool all_visible = pair_all_visible(p, f, base);
       for (int r = 0; r < R; ++r) {
-        const __m512bh qw = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][w])));
-        s0[r] = _mm512_dpbf16_ps(s0[r], a, qw);
-        s1[r] = _mm512_dpbf16_ps(s1[r], b, qw);
+        s0[pairs][r] = _mm512_mul_ps(a0[r], scale);
+        s1[pairs][r] = _mm512_mul_ps(a1[r], scale);
+        if (!all_visible) mask_pair(p, s0[pairs][r], s1[pairs][r], base, f.pos[r0 + r]);
       }
     }
-    const bool all_visible = pair_all_visible(p, f, base);
-    for (int r = 0; r < R; ++r) {
-      __m512 a = _mm512_mul_ps(s0[r], scale), b = _mm512_mul_ps(s1[r], scale);
-      if (!all_visible) mask_pair(p, a, b, base, f.pos[r0 + r]);
-      const __m512 alpha = _mm512_set1_ps(softmax_pair(a, b, row_max[r], row_sum[r], pw[r]));
-      for (int g = 0; g < DV; ++g) acc[r][g] = _mm512_mul_ps(acc[r][g], alpha);
-    }
+    for (int i = 0; i < pairs; ++i) {
+      const PairTiles& tp = t[i];
+      for (int r = 0; r < R; ++r) {
+        const __m512 alpha =
+            _mm512_set1_ps(softmax_pair(s0[i][r], s1[i][r], row_max[r], row_sum[r], pw[r]));
+        for (int g = 0; g < DV; ++g) acc[r][g] = _mm512_mul_ps(acc[r][g], alpha);
+      }
 #pragma GCC unroll 4
-    for (int u = 0; u < KEYS; ++u) {
-      const uint32_t* vu = u < KEYS / 2 ? t.v0 + u * HEAD : t.v1 + (u - KEYS / 2) * HEAD;
-      for (int g = 0; g < DV; ++g) {
-        const __m512bh v = as_bh(_mm512_loadu_si512(vu + kLanes * g));
-        for (int r = 0; r < R; ++r) {
-          acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v,
-                                       as_bh(_mm512_set1_epi32(static_cast<int>(pw[r][u]))));
+      for (int u = 0; u < KEYS; ++u) {
+        const uint32_t* vu = u < KEYS / 2 ? tp.v0 + u * HEAD : tp.v1 + (u - KEYS / 2) * HEAD;
+        for (int g = 0; g < DV; ++g) {
+          const __m512bh v = as_bh(_mm512_loadu_si512(vu + kLanes * g));
+          for (int r = 0; r < R; ++r) {
+            acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v,
+                                         as_bh(_mm512_set1_epi32(static_cast<int>(pw[r][u]))));
+          }
         }
       }
     }
