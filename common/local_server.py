@@ -69,6 +69,55 @@ def _port_registry():
         registry.write("".join(f"{port} {when}\n" for port, when in handed_out.items()))
 
 
+def listening_socket_inodes(port: int, proc: Path = Path("/proc")) -> set[str]:
+    """Inodes of the TCP sockets (v4 and v6) listening on `port` on any local address; empty
+    where /proc/net does not say (not Linux)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            # sl local_address rem_address st ... inode: "0: 0100007F:1F90 00000000:0000 0A ..."
+            fields = line.split()
+            listening = len(fields) > 9 and fields[3] == "0A"  # TCP_LISTEN
+            if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[str]:
+    """Inodes of the sockets process `pid` holds open (empty if it is gone or not ours)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in (proc / str(pid) / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link.endswith("]"):
+                    inodes.add(link[len("socket:[") : -1])
+    return inodes
+
+
+def process_tree(root: int, proc: Path = Path("/proc")) -> set[int]:
+    """`root` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
 def tidegate_command() -> list[str]:
     """How to run `tidegate` from this interpreter's environment."""
     script = Path(sys.executable).parent / "tidegate"
@@ -163,12 +212,29 @@ class LocalServer:
             try:
                 with urllib.request.urlopen(self.base_url + path, timeout=1) as response:
                     if response.status == 200:
+                        self._check_listener_is_ours()
                         self.startup_seconds = time.monotonic() - self.started_at
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.05)  # polling with a deadline
         raise RuntimeError(f"not healthy within {deadline_s:.0f} s\n{self.log()}")
+
+    def _check_listener_is_ours(self) -> None:
+        """Raise if what answered on the port is not this server: a process outside its
+        process tree listens there (a port taken by a tool that picks its own, between
+        free_port and this server's bind, which then failed or is still retrying)."""
+        inodes = listening_socket_inodes(self.port)
+        if not inodes:  # no /proc to ask (not Linux), or the listener closed since: no verdict
+            return
+        tree = process_tree(self.process.pid)
+        if any(socket_inodes(pid) & inodes for pid in tree):
+            return
+        raise RuntimeError(
+            f"port {self.port} is held by a process outside {self.command[0]}'s process tree "
+            f"(pids {sorted(tree)}): its health check was answered by another server\n"
+            f"{self.log()}"
+        )
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (the server drains), then SIGKILL of its whole session if it lingers."""

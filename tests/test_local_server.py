@@ -1,10 +1,15 @@
 """free_port: a port handed out stays reserved against other starts on this machine, so two
-servers started at once are never given the same one."""
+servers started at once are never given the same one. wait_healthy: a health check answered
+by a process outside the started server's tree is an error, not a healthy server."""
 
 from __future__ import annotations
 
+import http.server
 import multiprocessing
 import socket
+import sys
+import threading
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -81,3 +86,75 @@ def test_processes_asking_at_once_get_distinct_ports(registry):
     for worker in workers:
         worker.join(timeout=60)
     assert len(ports) == 600 and len(set(ports)) == 600
+
+
+HTTP_SERVER = (
+    "import http.server, sys; http.server.test(http.server.SimpleHTTPRequestHandler,"
+    " port=int(sys.argv[1]), bind='127.0.0.1')"
+)
+
+
+def test_a_server_listening_itself_or_through_a_child_is_healthy(tmp_path):
+    port = local_server.free_port()
+    command = [sys.executable, "-c", HTTP_SERVER, str(port)]
+    with local_server.LocalServer(command, port, log=tmp_path / "a.log", cwd=tmp_path) as server:
+        server.wait_healthy(deadline_s=60, path="/")
+    # The listener a grandchild: a shell, then the server.
+    port = local_server.free_port()
+    command = ["sh", "-c", f'{sys.executable} -c "{HTTP_SERVER}" {port}; true']
+    with local_server.LocalServer(command, port, log=tmp_path / "b.log", cwd=tmp_path) as server:
+        server.wait_healthy(deadline_s=60, path="/")
+        assert len(local_server.process_tree(server.process.pid)) >= 2
+
+
+def test_a_health_check_answered_by_another_process_is_an_error(tmp_path):
+    # What a port race looks like: the started server never listens (here it just sleeps;
+    # really it lost the bind), and a server outside its tree answers on its port.
+    foreign = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=foreign.serve_forever, daemon=True)
+    thread.start()
+    port = foreign.server_address[1]
+    try:
+        server = local_server.LocalServer(["sleep", "60"], port, log=tmp_path / "log")
+        with server, pytest.raises(RuntimeError, match=f"port {port} is held by a process outside"):
+            server.wait_healthy(deadline_s=30, path="/")
+    finally:
+        foreign.shutdown()
+        foreign.server_close()
+
+
+def test_listening_sockets_are_read_from_proc_net(tmp_path):
+    net = tmp_path / "net"
+    net.mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    (net / "tcp").write_text(
+        header
+        + "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1\n"
+        # the same port, a connection (not listening): not the listener
+        + "   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000  1000        0 222 1\n"
+        + "   2: 00000000:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 333 1\n"
+    )
+    (net / "tcp6").write_text(
+        header
+        + "   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A "
+        "00000000:00000000 00:00000000 00000000  1000        0 444 1\n"
+    )
+    assert local_server.listening_socket_inodes(8080, tmp_path) == {"111", "444"}
+    assert local_server.listening_socket_inodes(8082, tmp_path) == set()
+    assert local_server.listening_socket_inodes(8080, tmp_path / "absent") == set()
+
+
+def test_the_process_tree_follows_parents_in_proc(tmp_path):
+    for pid, ppid, comm in [(10, 1, "a"), (11, 10, "b (x) y"), (12, 11, "c"), (13, 1, "d")]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) S {ppid} 0 0\n")
+    (tmp_path / "self").mkdir()
+    assert local_server.process_tree(10, tmp_path) == {10, 11, 12}
+    assert local_server.process_tree(13, tmp_path) == {13}
+    fd = tmp_path / "12" / "fd"
+    fd.mkdir()
+    (fd / "3").symlink_to("socket:[555]")
+    (fd / "4").symlink_to("/dev/null")
+    assert local_server.socket_inodes(12, tmp_path) == {"555"}
+    assert local_server.socket_inodes(99, tmp_path) == set()
+    assert Path(tmp_path).is_dir()
