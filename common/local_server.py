@@ -24,9 +24,10 @@ PORT_REGISTRY = Path(tempfile.gettempdir()) / f"tidegate-ports-{os.getuid()}"
 PORT_RESERVATION_S = 600.0
 
 
-def free_port() -> int:
+def free_port(consecutive: int = 1) -> int:
     """A port nobody listens on right now, and that no free_port call on this machine has
-    handed out in the last ten minutes.
+    handed out in the last ten minutes; with `consecutive` > 1, the first of that many
+    ports in a row that all are (a rendezvous and the control channel next to it).
 
     The port is free when the caller gets it; the server it is meant for binds it seconds
     later. Without the reservation, another process starting a server meanwhile (pytest's
@@ -39,10 +40,23 @@ def free_port() -> int:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-            if port not in handed_out:
+            ports = range(port, port + consecutive)
+            if not any(p in handed_out for p in ports) and all(map(_bindable, ports[1:])):
                 break
-        handed_out[port] = time.time()
+        now = time.time()
+        for reserved in ports:
+            handed_out[reserved] = now
         return port
+
+
+def _bindable(port: int) -> bool:
+    """Whether a socket can bind `port` on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except (OSError, OverflowError):  # taken, or past 65535
+            return False
+    return True
 
 
 @contextlib.contextmanager

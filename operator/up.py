@@ -40,7 +40,6 @@ import functools
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -314,26 +313,17 @@ def _group_pods(lws: dict[str, Any], config_dir: Path, workdir: Path) -> list[Lo
 
 
 def set_master_port(members: list[LocalPod]) -> int:
-    """Give a group a fresh rendezvous port, free with the next one (the leader's control
-    channel), in every member's `--master-port`; the port. Not the one it had: a restarted
-    group's old sockets may linger."""
+    """Give a group a fresh rendezvous port, free and reserved with the next one (the
+    leader's control channel), in every member's `--master-port`; the port. Not the one it
+    had: a restarted group's old sockets may linger."""
     at = members[0].command.index("--master-port") + 1
-    port = free_port()
-    while str(port) == members[0].command[at] or not _free(port + 1):
-        port = free_port()
+    port = free_port(consecutive=2)
+    while str(port) == members[0].command[at]:
+        port = free_port(consecutive=2)
     for pod in members:
         at = pod.command.index("--master-port") + 1
         pod.command[at] = str(port)
     return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import multiprocessing
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -62,6 +63,22 @@ def test_a_reservation_expires(registry, monkeypatch):
     assert local_server.free_port() == 40001
     (line,) = registry.read_text().splitlines()
     assert line.startswith("40001 ") and float(line.split()[1]) > 1000.0
+
+
+def test_consecutive_ports_are_free_and_reserved_together(registry, monkeypatch):
+    # The first port offered has a reserved neighbour, the second a neighbour someone
+    # listens on: the third run of two is the one, and both of its ports are reserved.
+    registry.write_text(f"40001 {time.time()}\n")
+    monkeypatch.setattr(local_server.socket, "socket", FakeSocket)
+    monkeypatch.setattr(local_server, "_bindable", lambda port: port != 40021)
+    FakeSocket.script = [40000, 40020, 40010]
+    assert local_server.free_port(consecutive=2) == 40010
+    reserved = {int(line.split()[0]) for line in registry.read_text().splitlines()}
+    assert reserved == {40001, 40010, 40011}
+
+
+def test_a_run_of_ports_past_the_last_port_is_not_offered():
+    assert not local_server._bindable(65536)
 
 
 def test_without_a_registry_it_still_gives_a_free_port(tmp_path, monkeypatch):
