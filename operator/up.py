@@ -608,7 +608,10 @@ class Supervisor:
                         self._watch_group(unit, now)
                     continue
                 pod = unit[0]
-                if not pod.active or pod.server is None:
+                # A draining pod's exit is the drain ending, not a crash, even when the pod
+                # was turned on again meanwhile (the next canary on the canary pod): it
+                # starts once the drain is over.
+                if not pod.active or pod.server is None or pod.draining is not None:
                     self._follow_autoscaler(pod)
                     continue
                 code = pod.exited()
