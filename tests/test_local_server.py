@@ -10,7 +10,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -174,4 +173,3 @@ def test_the_process_tree_follows_parents_in_proc(tmp_path):
     (fd / "4").symlink_to("/dev/null")
     assert local_server.socket_inodes(12, tmp_path) == {"555"}
     assert local_server.socket_inodes(99, tmp_path) == set()
-    assert Path(tmp_path).is_dir()
