@@ -10,7 +10,6 @@ import re
 import shlex
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -82,29 +81,6 @@ def scrape(base_url: str) -> dict[str, float]:
             name = line.split("{", 1)[0].split(" ", 1)[0]
             values[name] = float(line.rsplit(" ", 1)[1])
     return values
-
-
-class PeakSampler:
-    """Polls one metric of a server in the background and keeps its peak."""
-
-    def __init__(self, base_url: str, name: str, interval_s: float = 0.05) -> None:
-        self.base_url, self.name, self.interval_s = base_url, name, interval_s
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, scrape(self.base_url).get(self.name, 0.0))
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def write_result(name: str, record: dict, out_dir: Path) -> Path:

@@ -209,6 +209,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int
     num_preemptions: int
     prompt_tokens_computed: int = 0
+    # The highest kv_cache_usage since the core started, including within steps.
+    kv_cache_usage_peak: float = 0.0
     # Tokens computed by the step these stats follow (0 when no step ran).
     num_batched_tokens: int = 0
     # Disaggregated serving (totals except where said).

@@ -115,6 +115,11 @@ METRICS = (
     MetricSpec("num_requests_running", Gauge, "Number of requests in model execution batches."),
     MetricSpec("num_requests_waiting", Gauge, "Number of requests waiting to be processed."),
     MetricSpec("kv_cache_usage_perc", Gauge, "KV-cache usage: 1 means 100 percent usage."),
+    # Not in vLLM: the high-water mark of kv_cache_usage_perc since the engine started, which
+    # a scrape every few seconds cannot see when requests come and go between scrapes.
+    MetricSpec(
+        "kv_cache_usage_peak_perc", Gauge, "Highest KV-cache usage since the engine started."
+    ),
     MetricSpec("prefix_cache_queries", Counter, "Prefix cache queries, in queried tokens."),
     MetricSpec("prefix_cache_hits", Counter, "Prefix cache hits, in cached tokens."),
     MetricSpec("num_preemptions", Counter, "Cumulative number of preemptions."),
@@ -292,6 +297,7 @@ class PrometheusMetrics:
         self._set("num_requests_running", stats.num_running, engine)
         self._set("num_requests_waiting", stats.num_waiting, engine)
         self._set("kv_cache_usage_perc", stats.kv_cache_usage, engine)
+        self._set("kv_cache_usage_peak_perc", stats.kv_cache_usage_peak, engine)
         self._set("kv_pinned_blocks", stats.kv_pinned_blocks, engine)
         for seconds in stats.kv_transfer_latencies:
             self._observe("kv_transfer_latency_seconds", seconds, engine)

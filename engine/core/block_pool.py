@@ -149,6 +149,9 @@ class BlockPool:
         # complete and read-only; a block with ref_cnt 0 stays here until it is evicted.
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.events = events
+        # The most blocks requests held at once since the pool was made. A gauge scraped
+        # every few seconds misses a short burst; this high-water mark does not.
+        self.peak_used_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,6 +163,16 @@ class BlockPool:
         """Fraction of blocks held by requests, from 0.0 to 1.0."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    @property
+    def peak_usage(self) -> float:
+        """The highest usage since the pool was made, from 0.0 to 1.0."""
+        return self.peak_used_blocks / self.num_blocks
+
+    def _note_used(self) -> None:
+        used = self.num_blocks - self.free_block_queue.num_free_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The block holding this hash's content, or None."""
         return self.cached_block_hash_to_block.get(block_hash)
@@ -170,6 +183,7 @@ class BlockPool:
         for block in blocks:
             self._evict(block)
             block.ref_cnt = 1
+        self._note_used()
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -178,6 +192,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+        self._note_used()
 
     def cache_full_blocks(
         self,

@@ -61,6 +61,11 @@ class KVCacheManager:
         """Fraction of blocks held by requests, from 0.0 to 1.0."""
         return self.block_pool.usage
 
+    @property
+    def peak_usage(self) -> float:
+        """The highest usage since the cache was made, from 0.0 to 1.0."""
+        return self.block_pool.peak_usage
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached leading blocks of a new request, and the tokens they cover."""
         if not self.enable_caching:

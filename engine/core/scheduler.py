@@ -766,6 +766,7 @@ class Scheduler:
             num_total_blocks=kv.num_total_blocks,
             num_free_blocks=kv.num_free_blocks,
             kv_cache_usage=kv.usage,
+            kv_cache_usage_peak=kv.peak_usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

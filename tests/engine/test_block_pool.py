@@ -173,6 +173,25 @@ def test_touch_revives_a_freed_cached_block():
     assert hit not in pool.get_new_blocks(3)
 
 
+def test_peak_usage_keeps_the_high_water_mark_through_frees_and_revivals():
+    pool = BlockPool(8)
+    assert pool.peak_usage == 0.0
+    request, blocks = cache_chain(pool, [1, 2, 3, 4])  # 2 blocks
+    other = pool.get_new_blocks(3)  # 5 held
+    pool.free_blocks(other)
+    pool.free_blocks(reversed(blocks))
+    assert pool.usage == 0.0 and pool.peak_usage == pytest.approx(5 / 8)
+    # A revived cached block counts as held again: 1 revived + 5 new = 6.
+    pool.touch([pool.get_cached_block(request.block_hashes[0])])
+    assert pool.peak_usage == pytest.approx(5 / 8)
+    pool.get_new_blocks(5)
+    assert pool.usage == pool.peak_usage == pytest.approx(6 / 8)
+    # A refused allocation changes nothing, the mark included.
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(3)
+    assert pool.peak_usage == pytest.approx(6 / 8)
+
+
 def test_duplicate_content_keeps_the_first_block_cached():
     pool = BlockPool(4)
     request, first = cache_chain(pool, [1, 2])

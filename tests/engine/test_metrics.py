@@ -46,11 +46,14 @@ def stats(**overrides) -> SchedulerStats:
 def test_gauges_show_the_latest_scheduler_stats():
     metrics = PrometheusMetrics("m")
     metrics.record_scheduler_stats(stats())
-    metrics.record_scheduler_stats(stats(num_running=7, num_waiting=0, kv_cache_usage=0.85))
+    metrics.record_scheduler_stats(
+        stats(num_running=7, num_waiting=0, kv_cache_usage=0.85, kv_cache_usage_peak=0.9)
+    )
     samples = scrape(metrics)
     assert value(samples, "tidegate:num_requests_running") == 7
     assert value(samples, "tidegate:num_requests_waiting") == 0
     assert value(samples, "tidegate:kv_cache_usage_perc") == pytest.approx(0.85)
+    assert value(samples, "tidegate:kv_cache_usage_peak_perc") == pytest.approx(0.9)
 
 
 def test_counters_follow_the_engine_totals_and_survive_an_engine_restart():

@@ -209,6 +209,18 @@ def test_abort_at_any_time_frees_blocks():
     assert not scheduler.has_unfinished_requests()
 
 
+def test_stats_keep_the_peak_usage_of_requests_that_came_and_went_between_them():
+    scheduler = make_scheduler(num_blocks=100, max_num_batched_tokens=512)
+    # Three requests of 40 distinct tokens (3 blocks each) prefill and finish in one step.
+    for i, name in enumerate("abc"):
+        scheduler.add_request(make_request(name, 40, max_tokens=1, base=100 + 40 * i))
+    step(scheduler)
+    assert not scheduler.has_unfinished_requests()
+    stats = scheduler.make_stats()
+    assert stats.kv_cache_usage == 0.0
+    assert stats.kv_cache_usage_peak == 0.09
+
+
 def test_stop_conditions_eos_stop_ids_min_tokens_and_max_model_len():
     scheduler = make_scheduler(max_model_len=30)
     eos_req = make_request("eos", 5, max_tokens=10)
