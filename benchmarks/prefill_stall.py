@@ -12,6 +12,11 @@ the arrivals understates what they would have had.
 
     python benchmarks/prefill_stall.py [--repeats N]   # writes results/prefill_stall.{json,png}
 
+With --slack-sweep S1 S2 ... only the auto server runs, once per --long-prefill-step-slack
+value in each round, the values alternating within a round (--repeats rounds): what a smaller
+slack buys the steady streams' p99 and what it costs the long prompts' time to first token.
+It writes results/prefill_stall_slack.json and its own README section.
+
 With --repeats N the three servers and the streams alone run N rounds, one after the other,
 and the targets are the medians over the rounds (the p99 of a few thousand gaps moves by a
 fifth between runs of the same build); the table and the plot are the median round's.
@@ -19,6 +24,7 @@ fifth between runs of the same build); the table and the plot are the median rou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -48,10 +54,34 @@ CONFIGS = {
 def main() -> None:
     parser = scenario_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every server (1)")
+    parser.add_argument(
+        "--slack-sweep",
+        type=float,
+        nargs="+",
+        metavar="SLACK",
+        help="run the auto server alone at each --long-prefill-step-slack instead",
+    )
+    parser.add_argument(
+        "--streams",
+        type=int,
+        help="steady streams (default 16), with --steady-output-len tokens each (default 700)",
+    )
+    parser.add_argument("--steady-output-len", type=int)
     args = parser.parse_args()
+    if (args.streams or args.steady_output_len) and not args.slack_sweep:
+        parser.error("--streams and --steady-output-len go with --slack-sweep")
     scenario = stall_scenario(args.smoke)
+    if args.streams or args.steady_output_len:
+        scenario = dataclasses.replace(
+            scenario,
+            streams=args.streams or scenario.streams,
+            steady_out=args.steady_output_len or scenario.steady_out,
+        )
     model = scenario.model
     workload = scenario.workload()
+    if args.slack_sweep:
+        _slack_sweep(args, scenario, workload)
+        return
     rounds = [_round(model, workload) for _ in range(max(1, args.repeats))]
     targets = {
         name: _median([round_targets[name] for _, _, round_targets in rounds])
@@ -120,6 +150,83 @@ def _round(model, workload: Workload) -> tuple[dict, dict, dict]:
     results[AUTO]["arrival"].update(alone)
     print(f"{'streams alone':24s} {alone}", flush=True)
     return results, runs, _targets(results)
+
+
+def _slack_sweep(args, scenario, workload: Workload) -> None:
+    """The auto server at each slack, alternating, --repeats rounds; medians per slack."""
+    slacks = [float(v) for v in args.slack_sweep]
+    runs: dict[float, list[dict]] = {slack: [] for slack in slacks}
+    for _ in range(max(1, args.repeats)):
+        for slack in slacks:
+            flags = [*CONFIGS[AUTO], "--long-prefill-step-slack", str(slack)]
+            with tidegate_server(scenario.model, *flags) as server:
+                server.wait_healthy()
+                result, _ = run_bench(server.base_url, "m", workload, progress=False)
+            arrival = result["arrival"]
+            run = {
+                "failed": result["failed"],
+                "p99_before_ms": lookup(arrival, "steady_itl_before_ms", "p99"),
+                "p99_during_ms": lookup(arrival, "steady_itl_during_ms", "p99"),
+                "p50_before_ms": lookup(arrival, "steady_itl_before_ms", "p50"),
+                "p50_during_ms": lookup(arrival, "steady_itl_during_ms", "p50"),
+                "p99_ratio": arrival.get("p99_ratio_during_vs_before"),
+                "long_ttft_mean_ms": lookup(result, "groups", "long", "ttft_ms", "mean"),
+            }
+            runs[slack].append(run)
+            print(f"slack {slack:<5} {run}", flush=True)
+    summary = {
+        str(slack): {name: _median([r[name] for r in each]) for name in each[0]}
+        for slack, each in runs.items()
+    }
+    command = "python benchmarks/prefill_stall.py" + (" --smoke" if args.smoke else "")
+    command += f" --repeats {args.repeats} --slack-sweep " + " ".join(map(str, slacks))
+    for flag in ("streams", "steady_output_len"):
+        if getattr(args, flag):
+            command += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+    name = "prefill_stall_slack" + (f"_{scenario.streams}_streams" if args.streams else "")
+    write_result(
+        name,
+        {
+            "command": command,
+            "machine": machine(),
+            "model": scenario.size,
+            "workload": scenario.describe(),
+            "summary": summary,
+            "runs": {str(slack): each for slack, each in runs.items()},
+        },
+        args.out_dir,
+    )
+    rows = [
+        [
+            slack,
+            v["p99_before_ms"],
+            v["p99_during_ms"],
+            v["p99_ratio"],
+            v["p50_before_ms"],
+            v["p50_during_ms"],
+            v["long_ttft_mean_ms"],
+        ]
+        for slack, v in summary.items()
+    ]
+    update_readme(
+        args.readme,
+        name.replace("_", "-"),
+        f"### prefill-stall, auto chunks at each --long-prefill-step-slack ({scenario.size} "
+        f"model, {scenario.streams} streams of {scenario.steady_out} tokens, medians of "
+        f"{max(1, args.repeats)} alternating rounds)\n\n"
+        + table(
+            [
+                "slack",
+                "steady p99 ITL before (ms)",
+                "during arrivals (ms)",
+                "p99 ratio",
+                "p50 before (ms)",
+                "p50 during (ms)",
+                "long-prompt TTFT mean (ms)",
+            ],
+            rows,
+        ),
+    )
 
 
 def _median_round(rounds: list[tuple[dict, dict, dict]]) -> tuple[dict, dict, dict]:

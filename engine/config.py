@@ -11,6 +11,9 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on CPU when nothing else 
 API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag gives it
 # The share of its role's requests a canary takes when --traffic-weight does not say.
 DEFAULT_CANARY_WEIGHT = 0.1
+# With auto chunking, a step with prompt chunks may take this much longer than a decode-only
+# step (0.5: up to 1.5x the running streams' inter-token gap).
+DEFAULT_LONG_PREFILL_STEP_SLACK = 0.5
 # The files of kv_curve_key_dir (and the keys of the operator's Secret that holds them).
 KV_CURVE_PUBLIC_KEY_FILE = "public.key"
 KV_CURVE_SECRET_KEY_FILE = "secret.key"
@@ -52,7 +55,25 @@ class EngineArgs(BaseModel):
     long_prefill_token_threshold: int | Literal["auto"] = Field(
         0,
         description="Most tokens one request may compute in a step; 0 means no cap; auto sizes "
-        "chunks online so that a step with decodes takes at most 1.5x a decode-only step.",
+        "chunks online so that a step with decodes takes at most 1 + long_prefill_step_slack "
+        "times a decode-only step.",
+    )
+    long_prefill_step_slack: float = Field(
+        DEFAULT_LONG_PREFILL_STEP_SLACK,
+        gt=0.0,
+        le=10.0,
+        description="With long_prefill_token_threshold auto: how much longer than a "
+        "decode-only step a step with prompt chunks may take (0.5: 1.5x). Smaller keeps the "
+        "running streams' inter-token latency closer to their own; a long prompt then waits "
+        "longer for its first token.",
+    )
+    long_prefill_step_ms: float | None = Field(
+        None,
+        gt=0.0,
+        le=600_000.0,
+        description="With long_prefill_token_threshold auto: a step with prompt chunks may "
+        "take up to this many ms when that is longer than the slack allows (an inter-token "
+        "latency target; the operator passes its SLO's itlMs).",
     )
     max_num_partial_prefills: int = Field(
         1, ge=1, description="Prompts that may be part-way through prefill at once."
@@ -326,6 +347,16 @@ class EngineArgs(BaseModel):
                 "step_composition 'phased' computes whole prompts: it takes no "
                 "long_prefill_token_threshold and no max_num_partial_prefills above 1"
             )
+        if self.long_prefill_token_threshold != "auto":
+            for name, default in (
+                ("long_prefill_step_slack", DEFAULT_LONG_PREFILL_STEP_SLACK),
+                ("long_prefill_step_ms", None),
+            ):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name} sizes the chunks of long_prefill_token_threshold 'auto'; the "
+                        f"threshold is {self.long_prefill_token_threshold!r}"
+                    )
         if self.enforce_eager and self.compilation_level not in (None, 0):
             raise ValueError(
                 f"enforce_eager contradicts compilation_level {self.compilation_level}; "

@@ -169,3 +169,30 @@ def test_a_weight_without_a_canary_or_outside_zero_to_one_is_refused(tmp_path):
     canary = EngineArgs(model="/m", track="canary", traffic_weight=0.5)
     with pytest.raises(ValueError, match="takes no weight"):
         canary.track = "stable"
+
+
+def test_the_chunk_slack_and_step_target_come_from_the_command_line_with_auto_chunks_only():
+    from tidegate.cli import build_parser
+    from tidegate.engine.entrypoints.args import engine_args_from
+
+    def serve(*flags: str):
+        return engine_args_from(build_parser().parse_args(["serve", "--model", "/m", *flags]))
+
+    # Every flag reaches the model with its default: the plain command must still validate.
+    assert serve().long_prefill_step_slack == 0.5
+    auto = ("--long-prefill-token-threshold", "auto")
+    assert serve(*auto, "--long-prefill-step-slack", "0.3").long_prefill_step_slack == 0.3
+    for threshold in ([], ["--long-prefill-token-threshold", "512"]):
+        with pytest.raises(SystemExit, match="sizes the chunks of long_prefill_token_threshold"):
+            serve(*threshold, "--long-prefill-step-slack", "0.3")
+    for value in ("0", "-1", "nan", "inf", "11"):
+        with pytest.raises(SystemExit, match="long_prefill_step_slack"):
+            serve(*auto, "--long-prefill-step-slack", value)
+    # The step target likewise.
+    assert serve().long_prefill_step_ms is None
+    assert serve(*auto, "--long-prefill-step-ms", "50").long_prefill_step_ms == 50.0
+    with pytest.raises(SystemExit, match="long_prefill_step_ms sizes the chunks"):
+        serve("--long-prefill-step-ms", "50")
+    for value in ("0", "nan", "inf"):
+        with pytest.raises(SystemExit, match="long_prefill_step_ms"):
+            serve(*auto, "--long-prefill-step-ms", value)

@@ -15,9 +15,13 @@ prompt tokens a request may compute. The tuner learns from the step times it is 
 A request `context` tokens into its prompt then gets the largest chunk p whose cost fits in
 slack * base(d) (whole blocks, or down to a quarter of a block deep into a long prompt, and
 at most twice the largest chunk measured lately: chunks grow step by step, each size measured
-before the next), so such a step takes at most (1 + slack) times a decode-only one: a long prompt never freezes
-the running streams, whatever the model, the hardware or the load. With no decode running
-there is nobody to protect and prompts take the whole token budget.
+before the next), so such a step takes at most (1 + slack) times a decode-only one (slack is
+--long-prefill-step-slack, 0.5 by default): a long prompt never freezes the running streams,
+whatever the model, the hardware or the load. With a step target (--long-prefill-step-ms, an
+inter-token latency the deployment promises) a step may take up to that target instead when
+it is longer: slack alone keeps steps far under a 50 ms target on a fast decode, and the
+prompts waiting behind the chunks pay for it in time to first token. With no decode running there is nobody to
+protect and prompts take the whole token budget.
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ import statistics
 from typing import NamedTuple
 
 from tidegate.common.linear import determinant, solve
+from tidegate.engine.config import DEFAULT_LONG_PREFILL_STEP_SLACK
 
-# A step may take this much longer than a decode-only step (0.5: up to 1.5x the gap).
-DEFAULT_SLACK = 0.5
 # Weight of the newest observation in the decode-only estimate: it follows the load quickly.
 _LEARNING_RATE = 0.2
 # ... for its slope; its level is the median over the last this many decode-only steps. A
@@ -76,11 +79,18 @@ def chunk_keys(context: int, tokens: int) -> int:
 class ChunkSizeTuner:
     """Learns step costs online and turns them into a per-request prefill chunk size."""
 
-    def __init__(self, block_size: int, max_tokens: int, slack: float = DEFAULT_SLACK) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        max_tokens: int,
+        slack: float = DEFAULT_LONG_PREFILL_STEP_SLACK,
+        step_target_s: float | None = None,
+    ) -> None:
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.min_tokens = max(1, min(block_size // 4, max_tokens))
         self.slack = slack
+        self.step_target_s = step_target_s
         # Exponentially weighted sums for the least-squares fit of base(d) = a + b*d.
         self._w = self._wd = self._wdd = self._wt = self._wdt = 0.0
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=_RECENT_STEPS)
@@ -192,7 +202,10 @@ class ChunkSizeTuner:
             return min(self.max_tokens, 4 * self.block_size)
         # cost(p) = (c_pair / 2) p^2 + linear p + fixed, with
         # pairs = p * context + p (p + 1) / 2 and keys = context + p.
-        budget = self.slack * base - self.key_cost * context
+        allowed = self.slack * base
+        if self.step_target_s is not None:
+            allowed = max(allowed, self.step_target_s - base)
+        budget = allowed - self.key_cost * context
         linear = self.token_cost + self.pair_cost * (context + 0.5) + self.key_cost
         if budget <= 0.0:
             tokens = 0.0

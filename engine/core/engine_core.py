@@ -63,6 +63,10 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         max_model_len=max_model_len,
         phased=args.step_composition == "phased",
         adaptive_chunking=adaptive,
+        adaptive_slack=args.long_prefill_step_slack,
+        adaptive_step_s=(
+            args.long_prefill_step_ms / 1000 if args.long_prefill_step_ms is not None else None
+        ),
         max_loras=args.max_loras if args.enable_lora else None,
         policy=args.scheduling_policy,
         max_running_per_tenant=args.max_running_per_tenant,

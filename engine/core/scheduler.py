@@ -100,7 +100,12 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.chunk_tuner: ChunkSizeTuner | None = None
         if limits.adaptive_chunking:
-            self.chunk_tuner = ChunkSizeTuner(self.block_size, limits.max_num_batched_tokens)
+            self.chunk_tuner = ChunkSizeTuner(
+                self.block_size,
+                limits.max_num_batched_tokens,
+                slack=limits.adaptive_slack,
+                step_target_s=limits.adaptive_step_s,
+            )
         # (decodes, prompt tokens) of the last planned step, for the chunk tuner and the step
         # metrics; the tuner's attention pairs and keys too when it runs.
         self._last_mix = StepMix(0)

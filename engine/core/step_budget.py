@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidegate.engine.config import SchedulingPolicy
+from tidegate.engine.config import DEFAULT_LONG_PREFILL_STEP_SLACK, SchedulingPolicy
 from tidegate.engine.core.request import Request
 
 
@@ -23,6 +23,10 @@ class StepLimits:
     phased: bool = False
     # The per-request cap is learned online (ChunkSizeTuner) instead of fixed.
     adaptive_chunking: bool = False
+    # ... so that a step with prompt chunks takes at most 1 + this times a decode-only step.
+    adaptive_slack: float = DEFAULT_LONG_PREFILL_STEP_SLACK
+    # ... or up to this many seconds, when that is longer (None: the slack alone).
+    adaptive_step_s: float | None = None
     # LoRA: distinct adapters among the running requests (None: adapters are off).
     max_loras: int | None = None
     # Which waiting request goes first, and which running one is preempted first.

@@ -38,6 +38,20 @@ def test_prefill_stall_compares_three_schedulers(tmp_path):
 
 
 @pytest.mark.slow
+def test_prefill_stall_slack_sweep_runs_the_auto_server_at_each_slack(tmp_path):
+    readme = tmp_path / "README.md"
+    command = [sys.executable, str(BENCHMARKS / "prefill_stall.py"), "--smoke", "--slack-sweep"]
+    command += ["0.3", "0.5", "--out-dir", str(tmp_path), "--readme", str(readme)]
+    subprocess.run(command, check=True, timeout=300)
+    result = json.loads((tmp_path / "prefill_stall_slack.json").read_text())
+    assert set(result["summary"]) == set(result["runs"]) == {"0.3", "0.5"}
+    for run in result["summary"].values():
+        assert run["failed"] == 0 and run["p99_during_ms"] > 0 and run["long_ttft_mean_ms"] > 0
+    assert "--slack-sweep 0.3 0.5" in result["command"]
+    assert "<!-- prefill-stall-slack -->" in readme.read_text()
+
+
+@pytest.mark.slow
 def test_shared_prefix_compares_caching_on_and_off(tmp_path):
     result, readme = run_scenario("shared_prefix.py", tmp_path)
     on, off = result["results"]["prefix caching on"], result["results"]["prefix caching off"]

@@ -8,9 +8,14 @@ import json
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from tests.engine.test_scheduler import make_request, make_scheduler, step
+from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
+from tidegate.engine.core.engine_core import resolve_step_limits
+from tidegate.engine.core.kv_cache_manager import KVCacheManager
+from tidegate.engine.core.scheduler import Scheduler
 
 
 def step_seconds(mix: StepMix) -> float:
@@ -95,11 +100,10 @@ def test_chunks_all_at_one_depth_put_the_cost_on_the_tokens():
     assert tuner.token_cost == pytest.approx(per_token)
 
 
-def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a_step_bound():
-    scheduler = make_scheduler(max_num_batched_tokens=2048)
-    scheduler.limits.adaptive_chunking = True
-    scheduler.chunk_tuner = ChunkSizeTuner(scheduler.block_size, 2048)
-    decoders = [make_request(f"d{i}", 20, max_tokens=400) for i in range(16)]
+def long_prompt_under_streams(scheduler) -> tuple[list[int], list[float]]:
+    """16 streams decode, a 4,000-token prompt arrives: its chunks, and every step's time.
+    Every stream gets its token in every step."""
+    decoders = [make_request(f"d{i}", 20, max_tokens=1000) for i in range(16)]
     for request in decoders:
         scheduler.add_request(request)
     for _ in range(30):
@@ -109,11 +113,18 @@ def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a
     chunks, times = [], []
     while scheduler.requests["long"].num_output_tokens == 0:
         before = [r.num_output_tokens for r in decoders]
-        out = step(scheduler)
+        chunks.append(step(scheduler).num_scheduled_tokens.get("long", 0))
         times.append(step_seconds(scheduler.last_mix))
         scheduler.record_step_time(times[-1])
-        chunks.append(out.num_scheduled_tokens.get("long", 0))
         assert [r.num_output_tokens for r in decoders] == [n + 1 for n in before]
+    return chunks, times
+
+
+def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a_step_bound():
+    scheduler = make_scheduler(max_num_batched_tokens=2048)
+    scheduler.limits.adaptive_chunking = True
+    scheduler.chunk_tuner = ChunkSizeTuner(scheduler.block_size, 2048)
+    chunks, times = long_prompt_under_streams(scheduler)
     assert sum(chunks) == 4000
     assert chunks[0] == 64  # before it knows the cost: a small first chunk
     # Once two chunks taught it both costs, no step goes past 1.5x a decode-only one, and the
@@ -121,6 +132,65 @@ def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a
     base = step_seconds(StepMix(16))
     assert max(times[2:]) <= 1.5 * base * 1.02
     assert chunks[2] > chunks[-2] and chunks[-2] >= 16
+
+
+def test_the_slack_flag_bounds_mixed_steps_and_trades_the_long_prompts_wait():
+    base = step_seconds(StepMix(16))
+    steps = {}
+    for slack in (0.25, 0.5):
+        args = EngineArgs(
+            model="m",
+            max_num_batched_tokens=2048,
+            long_prefill_token_threshold="auto",
+            long_prefill_step_slack=slack,
+        )
+        limits = resolve_step_limits(args, 4096)
+        assert limits.adaptive_chunking and limits.adaptive_slack == slack
+        scheduler = Scheduler(limits, KVCacheManager(2000, 16))
+        assert scheduler.chunk_tuner.slack == slack
+        chunks, times = long_prompt_under_streams(scheduler)
+        assert sum(chunks) == 4000
+        assert max(times[2:]) <= (1 + slack) * base * 1.02
+        steps[slack] = len(chunks)
+    # Half the slack: the prompt takes about twice the steps to its first token.
+    assert 1.6 * steps[0.5] < steps[0.25] < 2.6 * steps[0.5]
+    # The default is the tuner's 0.5.
+    limits = resolve_step_limits(EngineArgs(model="m", long_prefill_token_threshold="auto"), 4096)
+    assert limits.adaptive_slack == 0.5 == ChunkSizeTuner(16, 2048).slack
+
+
+def test_a_step_target_longer_than_the_slack_allows_is_used_and_a_shorter_one_ignored():
+    base = step_seconds(StepMix(16))  # 52 ms; the slack alone allows 78 ms
+
+    def run(target_ms: float | None) -> tuple[list[int], list[float]]:
+        args = EngineArgs(
+            model="m",
+            max_num_batched_tokens=2048,
+            long_prefill_token_threshold="auto",
+            long_prefill_step_ms=target_ms,
+        )
+        limits = resolve_step_limits(args, 4096)
+        assert limits.adaptive_step_s == (None if target_ms is None else target_ms / 1000)
+        return long_prompt_under_streams(Scheduler(limits, KVCacheManager(2000, 16)))
+
+    slack_chunks, slack_times = run(None)
+    chunks, times = run(130.0)
+    assert sum(chunks) == 4000
+    assert max(times[2:]) <= 0.130 * 1.02
+    assert max(times[2:]) > 1.5 * base * 1.02  # the target, not the slack, bounds them
+    assert len(chunks) < 0.6 * len(slack_chunks)
+    # A target under what the slack allows changes nothing.
+    assert run(60.0) == (slack_chunks, slack_times)
+
+
+@pytest.mark.parametrize("threshold", [0, 512])
+def test_the_slack_flag_without_auto_chunks_is_refused(threshold):
+    with pytest.raises(ValidationError, match="long_prefill_step_slack sizes the chunks"):
+        EngineArgs(model="m", long_prefill_token_threshold=threshold, long_prefill_step_slack=0.3)
+    with pytest.raises(ValidationError, match="long_prefill_step_ms sizes the chunks"):
+        EngineArgs(model="m", long_prefill_token_threshold=threshold, long_prefill_step_ms=50)
+    with pytest.raises(ValidationError):
+        EngineArgs(model="m", long_prefill_token_threshold="auto", long_prefill_step_slack=0.0)
 
 
 def streaming_step_seconds(mix: StepMix) -> float:
