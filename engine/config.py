@@ -73,7 +73,7 @@ class EngineArgs(BaseModel):
         le=600_000.0,
         description="With long_prefill_token_threshold auto: a step with prompt chunks may "
         "take up to this many ms when that is longer than the slack allows (an inter-token "
-        "latency target; the operator passes its SLO's itlMs).",
+        "latency target, such as the deployment's ITL SLO).",
     )
     max_num_partial_prefills: int = Field(
         1, ge=1, description="Prompts that may be part-way through prefill at once."
