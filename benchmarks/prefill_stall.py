@@ -154,7 +154,7 @@ def _round(model, workload: Workload) -> tuple[dict, dict, dict]:
 
 def _slack_sweep(args, scenario, workload: Workload) -> None:
     """The auto server at each slack, alternating, --repeats rounds; medians per slack."""
-    slacks = [float(v) for v in args.slack_sweep]
+    slacks = args.slack_sweep  # floats (argparse)
     runs: dict[float, list[dict]] = {slack: [] for slack in slacks}
     for _ in range(max(1, args.repeats)):
         for slack in slacks:

@@ -20,8 +20,8 @@ before the next), so such a step takes at most (1 + slack) times a decode-only o
 whatever the model, the hardware or the load. With a step target (--long-prefill-step-ms, an
 inter-token latency the deployment promises) a step may take up to that target instead when
 it is longer: slack alone keeps steps far under a 50 ms target on a fast decode, and the
-prompts waiting behind the chunks pay for it in time to first token. With no decode running there is nobody to
-protect and prompts take the whole token budget.
+prompts waiting behind the chunks pay for it in time to first token. With no decode running
+there is nobody to protect and prompts take the whole token budget.
 """
 
 from __future__ import annotations

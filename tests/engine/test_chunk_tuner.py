@@ -16,6 +16,7 @@ from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys
 from tidegate.engine.core.engine_core import resolve_step_limits
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.scheduler import Scheduler
+from tidegate.engine.core.step_budget import StepLimits
 
 
 def step_seconds(mix: StepMix) -> float:
@@ -134,17 +135,20 @@ def test_scheduler_with_auto_chunks_a_long_prompt_without_skipping_a_decode_or_a
     assert chunks[2] > chunks[-2] and chunks[-2] >= 16
 
 
+def auto_limits(**flags) -> StepLimits:
+    """The step limits `tidegate serve --long-prefill-token-threshold auto` resolves, with
+    these other EngineArgs, a 2,048-token step budget and a 4,096-token model."""
+    args = EngineArgs(
+        model="m", max_num_batched_tokens=2048, long_prefill_token_threshold="auto", **flags
+    )
+    return resolve_step_limits(args, 4096)
+
+
 def test_the_slack_flag_bounds_mixed_steps_and_trades_the_long_prompts_wait():
     base = step_seconds(StepMix(16))
     steps = {}
     for slack in (0.25, 0.5):
-        args = EngineArgs(
-            model="m",
-            max_num_batched_tokens=2048,
-            long_prefill_token_threshold="auto",
-            long_prefill_step_slack=slack,
-        )
-        limits = resolve_step_limits(args, 4096)
+        limits = auto_limits(long_prefill_step_slack=slack)
         assert limits.adaptive_chunking and limits.adaptive_slack == slack
         scheduler = Scheduler(limits, KVCacheManager(2000, 16))
         assert scheduler.chunk_tuner.slack == slack
@@ -155,21 +159,14 @@ def test_the_slack_flag_bounds_mixed_steps_and_trades_the_long_prompts_wait():
     # Half the slack: the prompt takes about twice the steps to its first token.
     assert 1.6 * steps[0.5] < steps[0.25] < 2.6 * steps[0.5]
     # The default is the tuner's 0.5.
-    limits = resolve_step_limits(EngineArgs(model="m", long_prefill_token_threshold="auto"), 4096)
-    assert limits.adaptive_slack == 0.5 == ChunkSizeTuner(16, 2048).slack
+    assert auto_limits().adaptive_slack == 0.5 == ChunkSizeTuner(16, 2048).slack
 
 
 def test_a_step_target_longer_than_the_slack_allows_is_used_and_a_shorter_one_ignored():
     base = step_seconds(StepMix(16))  # 52 ms; the slack alone allows 78 ms
 
     def run(target_ms: float | None) -> tuple[list[int], list[float]]:
-        args = EngineArgs(
-            model="m",
-            max_num_batched_tokens=2048,
-            long_prefill_token_threshold="auto",
-            long_prefill_step_ms=target_ms,
-        )
-        limits = resolve_step_limits(args, 4096)
+        limits = auto_limits(long_prefill_step_ms=target_ms)
         assert limits.adaptive_step_s == (None if target_ms is None else target_ms / 1000)
         return long_prompt_under_streams(Scheduler(limits, KVCacheManager(2000, 16)))
 
