@@ -30,7 +30,13 @@ The cost model (estimates; each reason shows the arithmetic with the numbers it 
   of reach; it is not refused. maxNumBatchedTokens = threshold + maxNumSeqs (a decode token
   for every running request); on prefill pods it is the chunk itself.
 Without parameterCount, or on CPU, a step's cost is unknown: the threshold is then "auto",
-and the engine's ChunkSizeTuner sizes chunks online from the step times it measures.
+and the engine's ChunkSizeTuner sizes chunks online from the step times it measures. Unified
+and decode pods then also get the ITL SLO as the tuner's step target (longPrefillStepMs): a
+step that carries prompt chunks may take up to itlMs, the same budget a known cost gives it
+above, where the engine's own slack (1 + slack times a decode-only step) would allow less.
+Without it, steps on a fast decode stay far under the SLO and the prompts waiting behind the
+chunks pay in TTFT (benchmarks/README.md, auto-chunk-serving: TTFT p50 at 2 req/s 711 ms
+with the slack alone, 242 ms with a 50 ms target, ITL p99 46 and 63 ms).
 """
 
 from __future__ import annotations
@@ -112,10 +118,13 @@ class RoleTuning:
     max_num_batched_tokens: Choice
     long_prefill_token_threshold: Choice
     accelerated: bool = True
+    # With an auto threshold on a pool whose steps carry decodes: the chunk tuner's step
+    # target (None: none is passed, the engine's slack alone bounds a step).
+    long_prefill_step_ms: Choice | None = None
 
     def choices(self) -> dict[str, Choice]:
         """The choices by their CRD (camelCase) names, in the order status shows them."""
-        return {
+        choices = {
             "tensorParallelSize": self.tensor_parallel_size,
             "pipelineParallelSize": self.pipeline_parallel_size,
             "nodesPerReplica": self.nodes,
@@ -123,6 +132,9 @@ class RoleTuning:
             "longPrefillTokenThreshold": self.long_prefill_token_threshold,
             "maxNumBatchedTokens": self.max_num_batched_tokens,
         }
+        if self.long_prefill_step_ms is not None:
+            choices["longPrefillStepMs"] = self.long_prefill_step_ms
+        return choices
 
     def engine_choices(self) -> dict[str, Choice]:
         """The choices by EngineArgs field, in the order the config file lists them. Pipeline
@@ -138,6 +150,8 @@ class RoleTuning:
             choices["pipeline_parallel_size"] = self.pipeline_parallel_size
         if self.nodes.value != 1:
             choices["nnodes"] = self.nodes
+        if self.long_prefill_step_ms is not None:
+            choices["long_prefill_step_ms"] = self.long_prefill_step_ms
         return choices
 
     def engine_args(self) -> dict[str, int | str]:
@@ -231,7 +245,31 @@ def _tune_role(
                 measured.budget,
                 "closed-loop: the fitted chunk plus a decode token for every running request",
             )
-    return RoleTuning(name, tp, pp, nodes, dp, budget, threshold, spec.accelerator is not None)
+    return RoleTuning(
+        name,
+        tp,
+        pp,
+        nodes,
+        dp,
+        budget,
+        threshold,
+        spec.accelerator is not None,
+        _step_target(spec, name, threshold),
+    )
+
+
+def _step_target(spec: LLMDeploymentSpec, name: str, threshold: Choice) -> Choice | None:
+    """The chunk tuner's step target of a pool with auto chunks whose steps carry decodes: the
+    ITL SLO (None elsewhere: a fixed threshold has no tuner, prefill pods run no decodes)."""
+    if threshold.value != "auto" or name == "prefill":
+        return None
+    itl = spec.scheduling.slo.itl_ms
+    return Choice(
+        itl,
+        f"the ITL SLO {itl} ms (spec.scheduling.slo.itlMs): with auto chunks a step that "
+        "carries prompt chunks may take up to it, where the engine's slack alone (1 + "
+        "--long-prefill-step-slack times a decode-only step) would allow less",
+    )
 
 
 def _check_spread(spec: LLMDeploymentSpec, role: RoleTuning) -> None:

@@ -889,6 +889,22 @@ def test_each_tuned_flag_is_commented_with_its_reason() -> None:
         assert lines[at - 1] == f"# {choice.reason}"
 
 
+def test_auto_chunks_get_the_itl_slo_as_the_tuners_step_target() -> None:
+    spec = TABLE["disaggregated-cpu"] | {"scheduling": {"slo": {"itlMs": 80}}}
+    rendered = render_spec(spec)
+    lines = config_map(rendered)["data"]["decode.yaml"].splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("long-prefill-step-ms:")]
+    assert lines[at] == "long-prefill-step-ms: 80"
+    assert lines[at - 1].startswith("# the ITL SLO 80 ms (spec.scheduling.slo.itlMs)")
+    assert role_config(rendered, "decode")["long-prefill-token-threshold"] == "auto"
+    # Prefill pods carry no decodes: no step target; nor has a pool with a fixed threshold.
+    assert "long-prefill-step-ms" not in role_config(rendered, "prefill")
+    fixed = render_spec(
+        TABLE["unified-cpu-hostpath"] | {"scheduling": {"longPrefillTokenThreshold": 256}}
+    )
+    assert "long-prefill-step-ms" not in role_config(fixed, "unified")
+
+
 def test_config_carries_the_model_and_scheduling_of_the_spec() -> None:
     spec = TABLE["user-set-chunks"] | {"model": model(maxModelLen=4096, dtype="bfloat16")}
     flags = role_config(render_spec(spec), "unified")

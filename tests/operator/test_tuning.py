@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tidegate.engine.config import EngineArgs
 from tidegate.operator.spec import SpecError, parse_spec
-from tidegate.operator.tuning import TuningError, tune
+from tidegate.operator.tuning import MeasuredChunks, TuningError, tune
 
 B = 1e9  # parameters
 
@@ -575,6 +575,46 @@ def test_every_value_has_a_reason_in_role_and_field_order() -> None:
         "roles": {role: tuning.roles[role].to_status() for role in ("prefill", "decode")},
         "reasons": tuning.reasons(),
     }
+
+
+def test_auto_chunks_take_the_itl_slo_as_the_tuners_step_target() -> None:
+    unified = tune(parse_spec(make_spec(8.03 * B, itl=80))).roles["unified"]
+    assert unified.long_prefill_token_threshold.value == "auto"
+    target = unified.long_prefill_step_ms
+    assert target is not None and target.value == 80
+    assert "the ITL SLO 80 ms (spec.scheduling.slo.itlMs)" in target.reason
+    assert unified.engine_args()["long_prefill_step_ms"] == 80
+    assert unified.to_status()["longPrefillStepMs"] == 80
+    args = EngineArgs(model="m", **unified.engine_args())
+    assert (args.long_prefill_token_threshold, args.long_prefill_step_ms) == ("auto", 80)
+    # P/D with auto chunks: decode steps carry decodes; prefill steps carry none.
+    pools = tune(parse_spec(make_spec(None, gpus=8, topology=disaggregated()))).roles
+    assert pools["prefill"].long_prefill_step_ms is None
+    assert "long_prefill_step_ms" not in pools["prefill"].engine_args()
+    decode = pools["decode"].long_prefill_step_ms
+    assert decode is not None and decode.value == 50
+
+
+@pytest.mark.parametrize(
+    ("spec", "measured"),
+    [
+        pytest.param(make_spec(8.03 * B, gpus=1), None, id="known-cost"),
+        pytest.param(
+            make_spec(8.03 * B, scheduling={"longPrefillTokenThreshold": 256}), None, id="user-set"
+        ),
+        pytest.param(
+            make_spec(8.03 * B),
+            {"unified": MeasuredChunks(256, 512, "fitted")},
+            id="closed-loop",
+        ),
+    ],
+)
+def test_a_fixed_threshold_has_no_step_target(spec: dict, measured: dict | None) -> None:
+    unified = tune(parse_spec(spec), measured).roles["unified"]
+    assert isinstance(unified.long_prefill_token_threshold.value, int)
+    assert unified.long_prefill_step_ms is None
+    assert "long_prefill_step_ms" not in unified.engine_args()
+    assert "longPrefillStepMs" not in unified.to_status()
 
 
 @pytest.mark.parametrize(
