@@ -1,11 +1,11 @@
 """auto-chunk-serving: what auto chunking costs and buys on the serving workload.
 
 The serving comparison's requests (48 of 128-512 prompt tokens and 64-128 output tokens) at 2
-and 4 req/s, on the small model, against three servers, alternating, --rounds times: no
-per-request cap (the engine's default), `--long-prefill-token-threshold auto` (what the
-operator gives CPU pods), and auto with `--long-prefill-step-ms 50` (the operator's default
-ITL SLO). Reported per server and rate: the medians over the rounds of TTFT p50/p99, TPOT
-p50, ITL p99 and output tokens/s.
+and 4 req/s, on the small model, against four servers, alternating, --rounds times: no
+per-request cap (the engine's default), `--long-prefill-token-threshold auto` at the default
+slack and at 0.5 (the default until 2026-12-06), and auto with `--long-prefill-step-ms 50`
+(what the operator gives CPU pods at its default ITL SLO). Reported per server and rate: the
+medians over the rounds of TTFT p50/p99, TPOT p50, ITL p99 and output tokens/s.
 
     python benchmarks/auto_chunk_serving.py [--rounds N]   # writes results/auto_chunk_serving.json
 """
@@ -23,6 +23,12 @@ from tidegate.engine.bench.workloads import random_workload
 SERVERS = {
     "no cap": [],
     "auto": ["--long-prefill-token-threshold", "auto"],
+    "auto, slack 0.5": [
+        "--long-prefill-token-threshold",
+        "auto",
+        "--long-prefill-step-slack",
+        "0.5",
+    ],
     "auto, 50 ms steps": ["--long-prefill-token-threshold", "auto", "--long-prefill-step-ms", "50"],
 }
 RATES = (2.0, 4.0)

@@ -12,8 +12,12 @@ API_KEY_ENV = "TIDEGATE_API_KEY"  # where the API key may come from when no flag
 # The share of its role's requests a canary takes when --traffic-weight does not say.
 DEFAULT_CANARY_WEIGHT = 0.1
 # With auto chunking, a step with prompt chunks may take this much longer than a decode-only
-# step (0.5: up to 1.5x the running streams' inter-token gap).
-DEFAULT_LONG_PREFILL_STEP_SLACK = 0.5
+# step (0.25: up to 1.25x the running streams' inter-token gap). The prefill-stall target (p99
+# ITL during long prompts within 1.5x of before) sat on its line at 0.5: medians of 8 rounds
+# 1.51 at 0.5, 1.39 at 0.35, 1.31 at 0.25 (all eight within 1.5), and 0.3 gave 1.39 over nine
+# rounds, two above 1.5 (benchmarks/README.md, prefill-stall). A deployment that states an
+# ITL target gives it as --long-prefill-step-ms, which lets steps take up to that.
+DEFAULT_LONG_PREFILL_STEP_SLACK = 0.25
 # The files of kv_curve_key_dir (and the keys of the operator's Secret that holds them).
 KV_CURVE_PUBLIC_KEY_FILE = "public.key"
 KV_CURVE_SECRET_KEY_FILE = "secret.key"
@@ -63,9 +67,10 @@ class EngineArgs(BaseModel):
         gt=0.0,
         le=10.0,
         description="With long_prefill_token_threshold auto: how much longer than a "
-        "decode-only step a step with prompt chunks may take (0.5: 1.5x). Smaller keeps the "
+        "decode-only step a step with prompt chunks may take (0.25: 1.25x). Smaller keeps the "
         "running streams' inter-token latency closer to their own; a long prompt then waits "
-        "longer for its first token.",
+        "longer for its first token. With several requests waiting to start, the slack is "
+        "that many times larger, so that a queue does not grow without bound.",
     )
     long_prefill_step_ms: float | None = Field(
         None,

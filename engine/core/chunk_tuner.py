@@ -16,12 +16,24 @@ A request `context` tokens into its prompt then gets the largest chunk p whose c
 slack * base(d) (whole blocks, or down to a quarter of a block deep into a long prompt, and
 at most twice the largest chunk measured lately: chunks grow step by step, each size measured
 before the next), so such a step takes at most (1 + slack) times a decode-only one (slack is
---long-prefill-step-slack, 0.5 by default): a long prompt never freezes the running streams,
+--long-prefill-step-slack, 0.25 by default): a long prompt never freezes the running streams,
 whatever the model, the hardware or the load. With a step target (--long-prefill-step-ms, an
 inter-token latency the deployment promises) a step may take up to that target instead when
 it is longer: slack alone keeps steps far under a 50 ms target on a fast decode, and the
 prompts waiting behind the chunks pay for it in time to first token. With no decode running
 there is nobody to protect and prompts take the whole token budget.
+
+The slack gives prompts at most slack / (1 + slack) of the machine's time while decodes run.
+That spreads a burst (a long prompt, the one behind it) over the streams, but when prompts
+keep arriving faster than that share computes them, the queue grows without bound: fewer
+requests start, the decode batch shrinks, and so does the step the slack is measured
+against (on the serving workload, one round at slack 0.3: TTFT p50 0.18 s uncapped against
+1.2 s at 2 req/s, and 0.24 against 6.7 s at 4 req/s, where the output rate fell from 291 to
+160 tokens/s). So the slack is multiplied by the number of requests waiting to start (at
+least 1): one prompt waiting behind the one in chunks changes nothing, and a queue that
+builds up raises the prompts' share until it stops growing. The prompt chunks of one step
+share its allowance (StepCaps): the last chunk of one prompt and the first of the next do not
+each take all of it.
 """
 
 from __future__ import annotations
@@ -190,9 +202,12 @@ class ChunkSizeTuner:
             + self.key_cost * chunk_keys(context, tokens)
         )
 
-    def threshold(self, num_decodes: int, context: int = 0) -> int:
+    def threshold(
+        self, num_decodes: int, context: int = 0, waiting: int = 0, spent: float = 0.0
+    ) -> int:
         """Most prompt tokens a request `context` tokens into its prompt may compute in the
-        next step (0: no cap)."""
+        next step (0: no cap), with `waiting` requests waiting to start and chunks estimated
+        at `spent` seconds already in the step (StepCaps)."""
         if num_decodes == 0:
             return 0
         base = self.base(num_decodes)
@@ -202,10 +217,10 @@ class ChunkSizeTuner:
             return min(self.max_tokens, 4 * self.block_size)
         # cost(p) = (c_pair / 2) p^2 + linear p + fixed, with
         # pairs = p * context + p (p + 1) / 2 and keys = context + p.
-        allowed = self.slack * base
+        allowed = self.slack * max(1, waiting) * base
         if self.step_target_s is not None:
             allowed = max(allowed, self.step_target_s - base)
-        budget = allowed - self.key_cost * context
+        budget = allowed - spent - self.key_cost * context
         linear = self.token_cost + self.pair_cost * (context + 0.5) + self.key_cost
         if budget <= 0.0:
             tokens = 0.0
@@ -221,3 +236,27 @@ class ChunkSizeTuner:
         # Deep into a long prompt even one block of tokens may cost more than the slack: a
         # chunk of a few tokens then, never none, so that the prompt still makes progress.
         return max(self.min_tokens, tokens)
+
+
+class StepCaps:
+    """One step's chunk caps: what the tuner allows the step's prompt chunks, less the chunks
+    already given in it. Two prompts in one step (the last chunk of one, the first of the
+    next) share the allowance instead of taking it twice."""
+
+    def __init__(self, tuner: ChunkSizeTuner, num_decodes: int, waiting: int) -> None:
+        self.tuner = tuner
+        self.num_decodes = num_decodes
+        self.waiting = waiting
+        self.spent = 0.0  # estimated seconds of the chunks given so far
+
+    def first(self) -> int:
+        """The cap of a fresh prompt's first chunk in an empty step."""
+        return self.tuner.threshold(self.num_decodes, waiting=self.waiting)
+
+    def cap(self, context: int) -> int:
+        """The cap of a chunk `context` tokens into its prompt, after those given."""
+        return self.tuner.threshold(self.num_decodes, context, self.waiting, self.spent)
+
+    def charge(self, context: int, tokens: int) -> None:
+        """A chunk of `tokens` after `context` computed ones was given."""
+        self.spent += self.tuner.chunk_cost(context, tokens)

@@ -9,7 +9,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 
-from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
+from tidegate.engine.core.chunk_tuner import (
+    ChunkSizeTuner,
+    StepCaps,
+    StepMix,
+    chunk_keys,
+    chunk_pairs,
+)
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
@@ -198,12 +204,13 @@ class Scheduler:
         budget = StepBudget(self.limits, max_seqs=max_seqs)
         if self.chunk_tuner is not None:
             # Each prompt's chunk sized for its depth: deeper chunks attend to more keys.
-            tuner, num_decodes = self.chunk_tuner, sum(map(_is_decoding, self.running))
+            # A queue that builds up widens the prompts' share (chunk_tuner's docstring), and
+            # the step's chunks share one allowance.
+            caps = StepCaps(
+                self.chunk_tuner, sum(map(_is_decoding, self.running)), len(self.waiting)
+            )
             budget = StepBudget(
-                self.limits,
-                tuner.threshold(num_decodes),
-                cap=lambda context: tuner.threshold(num_decodes, context),
-                max_seqs=max_seqs,
+                self.limits, caps.first(), cap=caps.cap, max_seqs=max_seqs, charge=caps.charge
             )
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -309,7 +316,8 @@ class Scheduler:
 
     def _spend(self, budget: StepBudget, request: Request, num_tokens: int) -> None:
         """Take a request's tokens out of the step's budget and charge them to its tenant."""
-        budget.spend(num_tokens)
+        prompt = None if _is_decoding(request) else request.num_computed_tokens
+        budget.spend(num_tokens, prompt)
         self.waiting.charge(request.tenant, num_tokens)
 
     def _schedule_running(

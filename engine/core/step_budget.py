@@ -49,12 +49,15 @@ class StepBudget:
         threshold: int | None = None,
         cap: Callable[[int], int] | None = None,
         max_seqs: int | None = None,
+        charge: Callable[[int, int], None] | None = None,
     ) -> None:
         self.limits = limits
         # This step's per-request cap: the fixed one, or what the chunk tuner says now for a
         # prompt's first chunk; `cap`, when given, says it for a request this many tokens in.
         self.threshold = limits.long_prefill_token_threshold if threshold is None else threshold
         self._cap = cap
+        # ... and `charge`, when given, hears of each prompt chunk given (context, tokens).
+        self._charge = charge
         self.tokens_left = limits.max_num_batched_tokens
         # Requests this step may still take (pipeline micro-batches share the running ones).
         self.seqs_left = limits.max_num_seqs if max_seqs is None else max_seqs
@@ -104,8 +107,11 @@ class StepBudget:
         """True when the step can take no more tokens or no more requests."""
         return self.tokens_left <= 0 or self.seqs_left <= 0
 
-    def spend(self, num_tokens: int) -> None:
-        """Take one request's tokens out of the step's budget."""
+    def spend(self, num_tokens: int, prompt_context: int | None = None) -> None:
+        """Take one request's tokens out of the step's budget; `prompt_context`: the tokens
+        computed before them, when they are a prompt chunk (not a decode)."""
         assert num_tokens <= self.tokens_left, "scheduled past the token budget"
         self.tokens_left -= num_tokens
         self.seqs_left -= 1
+        if self._charge is not None and prompt_context is not None:
+            self._charge(prompt_context, num_tokens)

@@ -71,12 +71,68 @@ def test_learned_chunk_keeps_a_mixed_step_within_one_and_a_half_decode_steps_at_
 
 
 def test_deep_into_a_long_prompt_a_chunk_may_be_less_than_a_block_but_never_nothing():
-    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048, slack=0.5)
     tuner.observe(StepMix(16), 0.030)
     tuner.token_cost, tuner.pair_cost = 1e-4, 1e-7
     # The slack buys 15 ms; 9,000 keys deep a token costs 1 ms, so a block (16 ms) is too much.
     assert tuner.threshold(16, 9000) == 14
     assert tuner.threshold(16, 10**7) == 4  # a quarter of a block, the least it gives
+
+
+def test_a_queue_of_requests_waiting_to_start_widens_the_slack_and_one_waiting_does_not():
+    tuner = learned_tuner(random.Random(5), [random.Random(i).randint(0, 4000) for i in range(30)])
+    base = step_seconds(StepMix(16))
+    alone = tuner.threshold(16, 2000)
+    assert tuner.threshold(16, 2000, waiting=1) == alone
+    for waiting in (2, 4):
+        chunk = tuner.threshold(16, 2000, waiting)
+        assert chunk > alone
+        # The chunk fills what waiting times the slack allows, and no more.
+        assert step_seconds(chunk_mix(16, 2000, chunk)) <= (1 + 0.5 * waiting) * base * 1.05
+        bigger = step_seconds(chunk_mix(16, 2000, chunk + 16))
+        assert bigger > (1 + 0.5 * waiting) * base * 0.95
+
+
+def streams_then_prompts(scheduler, prompts: list[int]) -> tuple[dict[str, int], list[tuple]]:
+    """16 streams decode, then `prompts` (their lengths) arrive at once: the step at which each
+    prompt got its first token, and each step's (time, requests waiting)."""
+    for i in range(16):
+        scheduler.add_request(make_request(f"d{i}", 20, max_tokens=2000))
+    for _ in range(30):
+        step(scheduler)
+        scheduler.record_step_time(step_seconds(scheduler.last_mix))
+    names = [f"p{i}" for i in range(len(prompts))]
+    for i, (name, length) in enumerate(zip(names, prompts, strict=True)):
+        scheduler.add_request(make_request(name, length, max_tokens=2, base=1000 * (i + 1)))
+    first, steps = {}, []
+    while len(first) < len(names):
+        waiting = len(scheduler.waiting)
+        step(scheduler)
+        steps.append((step_seconds(scheduler.last_mix), waiting))
+        scheduler.record_step_time(steps[-1][0])
+        for name in names:
+            if name not in first and scheduler.requests[name].num_output_tokens:
+                first[name] = len(steps)
+    return first, steps
+
+
+def test_a_burst_keeps_the_slack_and_a_queue_that_builds_up_widens_it():
+    base = step_seconds(StepMix(16))
+    # Two long prompts: while the second waits behind the first's chunks, steps stay within
+    # 1 + slack (the default 0.25) of a decode-only step.
+    scheduler = Scheduler(auto_limits(), KVCacheManager(4000, 16))
+    _, steps = streams_then_prompts(scheduler, [4000, 4000])
+    assert max(t for t, _ in steps[2:]) <= 1.25 * base * 1.05
+    # Eight prompts at once: the queue's first chunks take more, and the last prompt starts
+    # in fewer steps than eight one after another at the slack would take.
+    scheduler = Scheduler(auto_limits(), KVCacheManager(4000, 16))
+    first, steps = streams_then_prompts(scheduler, [1000] * 8)
+    assert max(t for t, waiting in steps if waiting >= 4) > 1.25 * base * 1.02
+    one = Scheduler(auto_limits(), KVCacheManager(4000, 16))
+    alone, _ = streams_then_prompts(one, [1000])
+    assert max(first.values()) < 0.6 * 8 * alone["p0"]
+    # ... and once the queue is gone the slack bounds the steps again.
+    assert all(t <= 1.25 * base * 1.05 for t, waiting in steps[-3:] if waiting <= 1)
 
 
 def test_deeper_chunks_are_smaller_and_fewer_decodes_make_them_smaller_too():
@@ -158,12 +214,12 @@ def test_the_slack_flag_bounds_mixed_steps_and_trades_the_long_prompts_wait():
         steps[slack] = len(chunks)
     # Half the slack: the prompt takes about twice the steps to its first token.
     assert 1.6 * steps[0.5] < steps[0.25] < 2.6 * steps[0.5]
-    # The default is the tuner's 0.5.
-    assert auto_limits().adaptive_slack == 0.5 == ChunkSizeTuner(16, 2048).slack
+    # The default, the engine's and the tuner's: 0.25.
+    assert auto_limits().adaptive_slack == 0.25 == ChunkSizeTuner(16, 2048).slack
 
 
 def test_a_step_target_longer_than_the_slack_allows_is_used_and_a_shorter_one_ignored():
-    base = step_seconds(StepMix(16))  # 52 ms; the slack alone allows 78 ms
+    base = step_seconds(StepMix(16))  # 52 ms; the slack alone allows 68 ms
 
     def run(target_ms: float | None) -> tuple[list[int], list[float]]:
         limits = auto_limits(long_prefill_step_ms=target_ms)
@@ -183,7 +239,7 @@ def test_a_step_target_longer_than_the_slack_allows_is_used_and_a_shorter_one_ig
 @pytest.mark.parametrize("threshold", [0, 512])
 def test_the_slack_flag_without_auto_chunks_is_refused(threshold):
     with pytest.raises(ValidationError, match="long_prefill_step_slack sizes the chunks"):
-        EngineArgs(model="m", long_prefill_token_threshold=threshold, long_prefill_step_slack=0.3)
+        EngineArgs(model="m", long_prefill_token_threshold=threshold, long_prefill_step_slack=0.5)
     with pytest.raises(ValidationError, match="long_prefill_step_ms sizes the chunks"):
         EngineArgs(model="m", long_prefill_token_threshold=threshold, long_prefill_step_ms=50)
     with pytest.raises(ValidationError):
@@ -231,7 +287,7 @@ def test_with_a_cost_per_key_read_chunks_still_fill_but_keep_the_bound(context):
 
 
 def test_a_context_too_long_to_read_within_the_slack_still_gets_the_smallest_chunk():
-    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048)
+    tuner = ChunkSizeTuner(block_size=16, max_tokens=2048, slack=0.5)
     tuner.observe(StepMix(16), 0.030)
     tuner.token_cost, tuner.pair_cost, tuner.key_cost = 1e-4, 1e-8, 1e-5
     assert tuner.threshold(16, 1000) > 4  # reading 1,000 keys costs 10 ms of the 15
