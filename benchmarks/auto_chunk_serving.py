@@ -8,6 +8,8 @@ slack and at 0.5 (the default until 2026-12-06), and auto with `--long-prefill-s
 medians over the rounds of TTFT p50/p99, TPOT p50, ITL p99 and output tokens/s.
 
     python benchmarks/auto_chunk_serving.py [--rounds N]   # writes results/auto_chunk_serving.json
+
+--smoke runs one round of 8 short requests a rate on the tiny model (seconds, for tests).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from pathlib import Path
 
 from common import RESULTS, machine, model_dir, tidegate_server, write_result
 from tidegate.engine.bench.serve import run_bench
@@ -37,8 +40,12 @@ RATES = (2.0, 4.0)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 8 short requests")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    model = model_dir("small")
+    model = model_dir("tiny" if args.smoke else "small")
+    # (requests, prompt tokens, output tokens) a rate.
+    shape = (8, (32, 64), (8, 16)) if args.smoke else (48, (128, 512), (64, 128))
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in SERVERS}
     for round_index in range(args.rounds):
         for name, flags in SERVERS.items():
@@ -47,11 +54,13 @@ def main() -> None:
                 warmup = random_workload(4, (64, 64), (8, 8), seed=1000)
                 run_bench(server.base_url, "m", warmup, progress=False)
                 for i, rate in enumerate(RATES):
-                    workload = random_workload(48, (128, 512), (64, 128), seed=i)
+                    workload = random_workload(*shape, seed=i)
                     result, _ = run_bench(
                         server.base_url, "m", workload, request_rate=rate, seed=0, progress=False
                     )
                     row = {
+                        "completed": result["completed"],
+                        "failed": result["failed"],
                         "ttft_p50_ms": result["ttft_ms"]["p50"],
                         "ttft_p99_ms": result["ttft_ms"]["p99"],
                         "tpot_p50_ms": result["tpot_ms"]["p50"],
@@ -71,13 +80,14 @@ def main() -> None:
     write_result(
         "auto_chunk_serving",
         {
-            "command": f"python benchmarks/auto_chunk_serving.py --rounds {args.rounds}",
+            "command": f"python benchmarks/auto_chunk_serving.py --rounds {args.rounds}"
+            + (" --smoke" if args.smoke else ""),
             "machine": machine(),
-            "model": "small",
+            "model": "tiny" if args.smoke else "small",
             "medians": medians,
             "runs": runs,
         },
-        RESULTS,
+        args.out_dir,
     )
 
 

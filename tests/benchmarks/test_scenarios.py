@@ -52,6 +52,20 @@ def test_prefill_stall_slack_sweep_runs_the_auto_server_at_each_slack(tmp_path):
 
 
 @pytest.mark.slow
+def test_auto_chunk_serving_runs_every_server_at_every_rate(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "auto_chunk_serving.py"), "--smoke"]
+    subprocess.run([*command, "--rounds", "1", "--out-dir", str(tmp_path)], check=True, timeout=300)
+    result = json.loads((tmp_path / "auto_chunk_serving.json").read_text())
+    assert result["model"] == "tiny" and result["command"].endswith("--rounds 1 --smoke")
+    assert set(result["medians"]) == {"no cap", "auto", "auto, slack 0.5", "auto, 50 ms steps"}
+    for by_rate in result["medians"].values():
+        assert set(by_rate) == {"2.0", "4.0"}
+        for row in by_rate.values():
+            assert row["completed"] == 8 and row["failed"] == 0
+            assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+
+
+@pytest.mark.slow
 def test_shared_prefix_compares_caching_on_and_off(tmp_path):
     result, readme = run_scenario("shared_prefix.py", tmp_path)
     on, off = result["results"]["prefix caching on"], result["results"]["prefix caching off"]
