@@ -35,8 +35,8 @@ and decode pods then also get the ITL SLO as the tuner's step target (longPrefil
 step that carries prompt chunks may take up to itlMs, the same budget a known cost gives it
 above, where the engine's own slack (1 + slack times a decode-only step) would allow less.
 Without it, steps on a fast decode stay far under the SLO and the prompts waiting behind the
-chunks pay in TTFT (benchmarks/README.md, auto-chunk-serving: TTFT p50 at 2 req/s 711 ms
-with the slack alone, 242 ms with a 50 ms target, ITL p99 46 and 63 ms).
+chunks pay in TTFT (benchmarks/README.md, "Auto chunking under sustained load": TTFT p50 at
+2 req/s 960 ms at the default slack alone, 228 ms with a 50 ms target, ITL p99 43 and 55 ms).
 """
 
 from __future__ import annotations

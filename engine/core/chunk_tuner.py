@@ -249,10 +249,6 @@ class StepCaps:
         self.waiting = waiting
         self.spent = 0.0  # estimated seconds of the chunks given so far
 
-    def first(self) -> int:
-        """The cap of a fresh prompt's first chunk in an empty step."""
-        return self.tuner.threshold(self.num_decodes, waiting=self.waiting)
-
     def cap(self, context: int) -> int:
         """The cap of a chunk `context` tokens into its prompt, after those given."""
         return self.tuner.threshold(self.num_decodes, context, self.waiting, self.spent)

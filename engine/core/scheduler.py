@@ -210,7 +210,7 @@ class Scheduler:
                 self.chunk_tuner, sum(map(_is_decoding, self.running)), len(self.waiting)
             )
             budget = StepBudget(
-                self.limits, caps.first(), cap=caps.cap, max_seqs=max_seqs, charge=caps.charge
+                self.limits, caps.cap(0), cap=caps.cap, max_seqs=max_seqs, charge=caps.charge
             )
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -316,7 +316,10 @@ class Scheduler:
 
     def _spend(self, budget: StepBudget, request: Request, num_tokens: int) -> None:
         """Take a request's tokens out of the step's budget and charge them to its tenant."""
-        prompt = None if _is_decoding(request) else request.num_computed_tokens
+        # The chunk tuner charges prompt chunks to the step's allowance (decodes are in base).
+        prompt = None
+        if self.chunk_tuner is not None and not _is_decoding(request):
+            prompt = request.num_computed_tokens
         budget.spend(num_tokens, prompt)
         self.waiting.charge(request.tenant, num_tokens)
 

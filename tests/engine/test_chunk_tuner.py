@@ -93,14 +93,22 @@ def test_a_queue_of_requests_waiting_to_start_widens_the_slack_and_one_waiting_d
         assert bigger > (1 + 0.5 * waiting) * base * 0.95
 
 
-def streams_then_prompts(scheduler, prompts: list[int]) -> tuple[dict[str, int], list[tuple]]:
-    """16 streams decode, then `prompts` (their lengths) arrive at once: the step at which each
-    prompt got its first token, and each step's (time, requests waiting)."""
-    for i in range(16):
-        scheduler.add_request(make_request(f"d{i}", 20, max_tokens=2000))
+def decode_streams(scheduler, max_tokens: int) -> list:
+    """16 streams of `max_tokens` tokens, decoding for 30 steps on the made-up machine (which
+    teaches the tuner their decode-only steps): the streams."""
+    decoders = [make_request(f"d{i}", 20, max_tokens=max_tokens) for i in range(16)]
+    for request in decoders:
+        scheduler.add_request(request)
     for _ in range(30):
         step(scheduler)
         scheduler.record_step_time(step_seconds(scheduler.last_mix))
+    return decoders
+
+
+def streams_then_prompts(scheduler, prompts: list[int]) -> tuple[dict[str, int], list[tuple]]:
+    """16 streams decode, then `prompts` (their lengths) arrive at once: the step at which each
+    prompt got its first token, and each step's (time, requests waiting)."""
+    decode_streams(scheduler, max_tokens=2000)
     names = [f"p{i}" for i in range(len(prompts))]
     for i, (name, length) in enumerate(zip(names, prompts, strict=True)):
         scheduler.add_request(make_request(name, length, max_tokens=2, base=1000 * (i + 1)))
@@ -160,12 +168,7 @@ def test_chunks_all_at_one_depth_put_the_cost_on_the_tokens():
 def long_prompt_under_streams(scheduler) -> tuple[list[int], list[float]]:
     """16 streams decode, a 4,000-token prompt arrives: its chunks, and every step's time.
     Every stream gets its token in every step."""
-    decoders = [make_request(f"d{i}", 20, max_tokens=1000) for i in range(16)]
-    for request in decoders:
-        scheduler.add_request(request)
-    for _ in range(30):
-        step(scheduler)
-        scheduler.record_step_time(step_seconds(scheduler.last_mix))
+    decoders = decode_streams(scheduler, max_tokens=1000)
     scheduler.add_request(make_request("long", 4000, max_tokens=2, base=1000))
     chunks, times = [], []
     while scheduler.requests["long"].num_output_tokens == 0:
