@@ -102,7 +102,7 @@ def build_cpu_extension(source: Path, prefix: str, isa: str) -> None:
         try:
             cpp_extension.load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(_source_copy(source, build_dir))],
                 extra_cflags=[*_COMMON_FLAGS, *ISA_FLAGS[isa]],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
@@ -132,6 +132,20 @@ def _warn_once(reason: str) -> None:
 def _cache_root() -> Path:
     root = os.environ.get("TIDEGATE_CPU_KERNELS_DIR")
     return Path(root) if root else Path.home() / ".cache" / "tidegate" / "cpu_kernels"
+
+
+def _source_copy(source: Path, build_dir: Path) -> Path:
+    """The source as the build folder keeps it, copied there once (the folder's name carries
+    the source's hash). Ninja rebuilds when a source's path changes or its file is newer than the build:
+    compiling the checkout's file rebuilt the kernels in every other checkout (a fresh clone
+    for CI, a worktree) and after every git checkout that touched it, though the build key
+    was the same."""
+    copy = build_dir / source.name
+    if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+        partial = build_dir / f".{source.name}.{os.getpid()}"
+        partial.write_bytes(source.read_bytes())
+        partial.replace(copy)  # atomic: a process building beside this one sees all of it
+    return copy
 
 
 def _build_key(source: Path, isa: str) -> str:

@@ -378,3 +378,59 @@ def test_the_build_key_changes_with_the_compiler_flags(monkeypatch):
     monkeypatch.undo()
     assert cpu_attention._build_key(source, "avx2") == before
     assert cpu_attention._build_key(source, "avx512") != before
+
+
+def test_the_source_is_copied_into_its_build_folder_once(tmp_path):
+    """Checkouts of the same source build from one copy: ninja sees the same path, and a file
+    no newer than the build."""
+    from tidegate.engine.attention import cpu_attention
+
+    build = tmp_path / "build"
+    build.mkdir()
+    first, second = tmp_path / "a" / "op.cpp", tmp_path / "b" / "op.cpp"
+    for source in (first, second):
+        source.parent.mkdir()
+        source.write_text("// the same op\n")
+    copy = cpu_attention._source_copy(first, build)
+    assert copy == build / "op.cpp" and copy.read_text() == "// the same op\n"
+    stamp = copy.stat().st_mtime_ns
+    os.utime(second)  # a fresh checkout's file is newer than the build
+    assert cpu_attention._source_copy(second, build) == copy
+    assert copy.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in build.iterdir()) == ["op.cpp"]
+
+
+@pytest.mark.slow
+def test_a_second_checkout_of_the_same_source_loads_the_first_ones_build(tmp_path):
+    """A one-op extension built from one folder, then loaded from a copy in another (as a
+    fresh clone would): the library is not rebuilt, and the op runs."""
+    op = (
+        "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+        "at::Tensor twice(const at::Tensor& x) { return x * 2; }\n"
+        'TORCH_LIBRARY(tidegate_build_test, m) { m.def("twice(Tensor x) -> Tensor"); }\n'
+        'TORCH_LIBRARY_IMPL(tidegate_build_test, CPU, m) { m.impl("twice", &twice); }\n'
+    )
+    script = (
+        "import sys, torch\nfrom pathlib import Path\n"
+        "from tidegate.engine.attention.cpu_attention import build_cpu_extension\n"
+        "build_cpu_extension(Path(sys.argv[1]), 'tidegate_build_test', 'avx2')\n"
+        "print(torch.ops.tidegate_build_test.twice(torch.ones(2)).tolist())\n"
+    )
+    env = {**os.environ, "TIDEGATE_CPU_KERNELS_DIR": str(tmp_path / "kernels")}
+    libraries = []
+    for checkout in ("a", "b"):
+        source = tmp_path / checkout / "op.cpp"
+        source.parent.mkdir()
+        source.write_text(op)
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(source)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\n")[-2] == "[2.0, 2.0]"
+        (library,) = (tmp_path / "kernels").glob("*/*.so")
+        libraries.append((library, library.stat().st_mtime_ns))
+    assert libraries[0] == libraries[1]
