@@ -35,7 +35,7 @@ def child(ns: argparse.Namespace) -> None:
     if ns.unpacked:
         from tidegate.engine.worker import model_runner
 
-        model_runner.pack_linear_weights = lambda model: 0
+        model_runner.pack_linear_weights = lambda model, **plan: 0  # nothing packed
 
     args = EngineArgs(
         model=ns.model,

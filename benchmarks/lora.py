@@ -23,7 +23,6 @@ from offline_throughput import make_prompts
 from serving_vs_vllm import PEER_PYTHON, in_peer_env
 
 from common import (
-    README,
     ROOT,
     machine,
     model_dir,
@@ -32,6 +31,7 @@ from common import (
     update_readme,
     write_result,
 )
+from tidegate.engine.tokenizer import Tokenizer
 
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_lora.py"
 NUM_ADAPTERS = 4
@@ -129,6 +129,7 @@ def run_vllm(model: Path, adapters: list[Path], prompts, output_len: int, repeat
 
 def main() -> None:
     parser = scenario_parser(__doc__.splitlines()[0], smoke=False)
+    parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -136,9 +137,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="Tidegate-vLLM alternations")
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
-    model = model_dir("small")
+    model = model_dir(args.size)
     adapters = adapters_for(model, NUM_ADAPTERS, RANK)
-    prompts = make_prompts(4000, args.num_prompts, args.input_len, seed=0)
+    # Ids below 4,000 as the recorded runs had, within the vocabulary (the tiny model's 1,024).
+    vocab_size = min(4000, Tokenizer(str(model)).vocab_size)
+    prompts = make_prompts(vocab_size, args.num_prompts, args.input_len, seed=0)
     ours: dict[str, list[float]] = {}
     theirs: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -156,7 +159,7 @@ def main() -> None:
     many = f"{NUM_ADAPTERS}_adapters"
     record = {
         "workload": {
-            "model": "tidegate make-tiny-model --size small (llama, bf16)",
+            "model": f"tidegate make-tiny-model --size {args.size} (llama, bf16)",
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -187,7 +190,7 @@ def main() -> None:
         for case in median
     ]
     update_readme(
-        args.readme if args.readme else README,
+        args.readme,
         "lora",
         f"Offline output tokens/s, {record['workload']['adapters']}, "
         f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out "

@@ -411,3 +411,82 @@ def test_cuda_graphs_script_checks_async_parity_and_times_steps_without_a_gpu(tm
     for figures in result["levels"]["0"]["decode_step"].values():
         assert figures["decode_steps"] == 7  # 8 tokens: the first from the prompt's step
         assert 0 < figures["median_ms"] <= figures["median_interval_ms"] * 2
+
+
+def run_script(script: str, *flags: str, timeout: int = 300) -> None:
+    subprocess.run([sys.executable, str(BENCHMARKS / script), *flags], check=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_compile_times_eager_level_1_and_unpacked_linears_in_fresh_processes(tmp_path):
+    out = tmp_path / "compile.json"
+    flags = ["--sizes", "tiny", "--repeats", "2", "--num-prompts", "4", "--input-len", "16"]
+    run_script("compile.py", *flags, "--output-len", "4", "--out", str(out), timeout=600)
+    (row,) = json.loads(out.read_text())["results"]
+    assert set(row["runs"]) == {"0", "1", "0-unpacked"}
+    assert all(len(runs) == 2 for runs in row["runs"].values())
+    assert min(row["eager_output_tokens_per_s"], row["level1_output_tokens_per_s"]) > 0
+    # The first level-1 process compiles into an empty cache, the second reads it back.
+    assert row["level1_startup_s_cold_cache"] > 0 and row["level1_startup_s_warm_cache"] > 0
+    assert row["level1_graphs_at_startup"] > 0
+
+
+@pytest.mark.slow
+def test_cpu_attention_times_every_backend_and_checks_the_kernel_against_torch(tmp_path):
+    out = tmp_path / "cpu_attention.json"
+    run_script("cpu_attention.py", "--iters", "1", "--repeats", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bfloat16" and len(result["rows"]) == 7
+    for row in result["rows"]:
+        assert min(row[f"{name}_ms"] for name in ("torch", "cpu", "kernel", "kernel_sdpa")) > 0
+        assert row["max_abs_diff"] < 0.02  # bf16 outputs of the kernel against the torch backend
+
+
+@pytest.mark.slow
+def test_decode_step_times_each_batch_size(tmp_path):
+    out = tmp_path / "decode_step.json"
+    flags = ["--size", "tiny", "--sizes", "1", "4", "--context", "32", "--steps", "4"]
+    run_script("decode_step.py", *flags, "--repeats", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny" and "vllm_ms" not in result
+    assert set(result["tidegate_ms"]) == {"1", "4"}
+    assert all(ms > 0 for ms in result["tidegate_ms"].values())
+
+
+@pytest.mark.slow
+def test_prefill_step_times_each_prompt_length_in_a_fresh_process_a_round(tmp_path):
+    out = tmp_path / "prefill_step.json"
+    flags = ["--size", "tiny", "--lengths", "16", "64", "--repeats", "2", "--rounds", "2"]
+    run_script("prefill_step.py", *flags, "--out", str(out))
+    result = json.loads(out.read_text())
+    assert len(result["tidegate_rounds"]) == 2 and "vllm_ms" not in result
+    assert set(result["tidegate_ms"]) == {"16", "64"}
+    assert all(ms > 0 for ms in result["tidegate_ms"].values())
+
+
+@pytest.mark.slow
+def test_lora_times_the_base_model_and_one_and_four_adapters(tmp_path):
+    readme = tmp_path / "README.md"
+    flags = ["--size", "tiny", "--num-prompts", "4", "--input-len", "16", "--output-len", "4"]
+    flags += ["--repeats", "1", "--rounds", "1", "--no-vllm"]
+    run_script("lora.py", *flags, "--out-dir", str(tmp_path), "--readme", str(readme))
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert set(result["tidegate_median"]) == {"no_lora", "base", "one_adapter", "4_adapters"}
+    assert all(value > 0 for value in result["tidegate_median"].values())
+    assert result["slowdown_4_adapters_vs_no_lora"] > 0 and result["vllm_median"] == {}
+    assert "<!-- lora -->" in readme.read_text()
+
+
+@pytest.mark.slow
+def test_structured_outputs_times_constrained_and_free_batches_and_checks_them(tmp_path):
+    readme = tmp_path / "README.md"
+    flags = ["--size", "tiny", "--num-prompts", "4", "--input-len", "16", "--output-len", "16"]
+    flags += ["--repeats", "1", "--rounds", "1", "--backends", "auto", "--no-vllm"]
+    run_script("structured_outputs.py", *flags, "--out-dir", str(tmp_path), "--readme", str(readme))
+    result = json.loads((tmp_path / "structured_outputs.json").read_text())
+    assert set(result["tidegate"]) == {"auto"} and result["vllm"] == {}
+    auto = result["tidegate"]["auto"]
+    assert all(value > 0 for value in auto["median_output_tokens_per_s"].values())
+    assert auto["checks"]["every_request_made_output_len_tokens"] is True
+    assert auto["checks"]["constrained_outputs_start_with_array_of_objects"] is True
+    assert "<!-- structured_outputs -->" in readme.read_text()
