@@ -490,3 +490,17 @@ def test_structured_outputs_times_constrained_and_free_batches_and_checks_them(t
     assert auto["checks"]["every_request_made_output_len_tokens"] is True
     assert auto["checks"]["constrained_outputs_start_with_array_of_objects"] is True
     assert "<!-- structured_outputs -->" in readme.read_text()
+
+
+@pytest.mark.slow
+def test_structured_backends_times_both_grammar_libraries_and_picks_a_default(tmp_path):
+    run_script("structured_backends.py", "--smoke", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "structured_backends.json").read_text())
+    assert result["constraints"] == 6 and set(result["results"]) == {"tiny"}
+    backends = {name for name in result["results"]["tiny"] if name != "vocab_size"}
+    assert backends == {"xgrammar", "guidance"} and result["default"] in backends
+    for name in backends:
+        record = result["results"]["tiny"][name]
+        assert record["cold_corpus_s"] > 0 and record["compile_cold_ms"]["median"] > 0
+        assert record["steady"]["per_token_us"] > 0
+    assert result["default"] in result["why"]
