@@ -62,12 +62,13 @@ class EngineArgs(BaseModel):
         "chunks online so that a step with decodes takes at most 1 + long_prefill_step_slack "
         "times a decode-only step.",
     )
-    long_prefill_step_slack: float = Field(
-        DEFAULT_LONG_PREFILL_STEP_SLACK,
+    long_prefill_step_slack: float | None = Field(
+        None,
         gt=0.0,
         le=10.0,
         description="With long_prefill_token_threshold auto: how much longer than a "
-        "decode-only step a step with prompt chunks may take (0.25: 1.25x). Smaller keeps the "
+        f"decode-only step a step with prompt chunks may take ({DEFAULT_LONG_PREFILL_STEP_SLACK} "
+        f"when unset: {1 + DEFAULT_LONG_PREFILL_STEP_SLACK}x). Smaller keeps the "
         "running streams' inter-token latency closer to their own; a long prompt then waits "
         "longer for its first token. With several requests waiting to start, the slack is "
         "that many times larger, so that a queue does not grow without bound.",
@@ -353,11 +354,10 @@ class EngineArgs(BaseModel):
                 "long_prefill_token_threshold and no max_num_partial_prefills above 1"
             )
         if self.long_prefill_token_threshold != "auto":
-            for name, default in (
-                ("long_prefill_step_slack", DEFAULT_LONG_PREFILL_STEP_SLACK),
-                ("long_prefill_step_ms", None),
-            ):
-                if getattr(self, name) != default:
+            # Unset by default, so that one given without auto, even at the value auto would
+            # take, is refused rather than ignored.
+            for name in ("long_prefill_step_slack", "long_prefill_step_ms"):
+                if getattr(self, name) is not None:
                     raise ValueError(
                         f"{name} sizes the chunks of long_prefill_token_threshold 'auto'; the "
                         f"threshold is {self.long_prefill_token_threshold!r}"

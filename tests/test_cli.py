@@ -179,12 +179,16 @@ def test_the_chunk_slack_and_step_target_come_from_the_command_line_with_auto_ch
         return engine_args_from(build_parser().parse_args(["serve", "--model", "/m", *flags]))
 
     # Every flag reaches the model with its default: the plain command must still validate.
-    assert serve().long_prefill_step_slack == 0.25
+    assert serve().long_prefill_step_slack is None  # auto then takes 0.25
     auto = ("--long-prefill-token-threshold", "auto")
     assert serve(*auto, "--long-prefill-step-slack", "0.5").long_prefill_step_slack == 0.5
     for threshold in ([], ["--long-prefill-token-threshold", "512"]):
-        with pytest.raises(SystemExit, match="sizes the chunks of long_prefill_token_threshold"):
-            serve(*threshold, "--long-prefill-step-slack", "0.5")
+        # Without auto the flag is refused, even at the value auto would take.
+        for value in ("0.5", "0.25"):
+            with pytest.raises(
+                SystemExit, match="sizes the chunks of long_prefill_token_threshold"
+            ):
+                serve(*threshold, "--long-prefill-step-slack", value)
     for value in ("0", "-1", "nan", "inf", "11"):
         with pytest.raises(SystemExit, match="long_prefill_step_slack"):
             serve(*auto, "--long-prefill-step-slack", value)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import msgspec
 
-from tidegate.engine.config import EngineArgs
+from tidegate.engine.config import DEFAULT_LONG_PREFILL_STEP_SLACK, EngineArgs
 from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.request import Request, RequestStatus
@@ -63,7 +63,11 @@ def resolve_step_limits(args: EngineArgs, max_model_len: int) -> StepLimits:
         max_model_len=max_model_len,
         phased=args.step_composition == "phased",
         adaptive_chunking=adaptive,
-        adaptive_slack=args.long_prefill_step_slack,
+        adaptive_slack=(
+            args.long_prefill_step_slack
+            if args.long_prefill_step_slack is not None
+            else DEFAULT_LONG_PREFILL_STEP_SLACK
+        ),
         adaptive_step_s=(
             args.long_prefill_step_ms / 1000 if args.long_prefill_step_ms is not None else None
         ),

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.engine.test_scheduler import make_request, make_scheduler, step
-from tidegate.engine.config import EngineArgs
+from tidegate.engine.config import DEFAULT_LONG_PREFILL_STEP_SLACK, EngineArgs
 from tidegate.engine.core.chunk_tuner import ChunkSizeTuner, StepMix, chunk_keys, chunk_pairs
 from tidegate.engine.core.engine_core import resolve_step_limits
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
@@ -205,6 +205,8 @@ def auto_limits(**flags) -> StepLimits:
 
 def test_the_slack_flag_bounds_mixed_steps_and_trades_the_long_prompts_wait():
     base = step_seconds(StepMix(16))
+    # Unset, auto takes the default.
+    assert auto_limits().adaptive_slack == DEFAULT_LONG_PREFILL_STEP_SLACK == 0.25
     steps = {}
     for slack in (0.25, 0.5):
         limits = auto_limits(long_prefill_step_slack=slack)
