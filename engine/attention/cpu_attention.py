@@ -136,14 +136,15 @@ def _cache_root() -> Path:
 
 def _source_copy(source: Path, build_dir: Path) -> Path:
     """The source as the build folder keeps it, copied there once (the folder's name carries
-    the source's hash). Ninja rebuilds when a source's path changes or its file is newer than the build:
-    compiling the checkout's file rebuilt the kernels in every other checkout (a fresh clone
-    for CI, a worktree) and after every git checkout that touched it, though the build key
-    was the same."""
+    the source's hash). Ninja rebuilds when a source's path changes or its file is newer than
+    the build: compiling the checkout's file rebuilt the kernels in every other checkout (a
+    fresh clone for CI, a worktree) and after every git checkout that touched it, though the
+    build key was the same."""
     copy = build_dir / source.name
-    if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+    text = source.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != text:
         partial = build_dir / f".{source.name}.{os.getpid()}"
-        partial.write_bytes(source.read_bytes())
+        partial.write_bytes(text)
         partial.replace(copy)  # atomic: a process building beside this one sees all of it
     return copy
 
