@@ -21,6 +21,8 @@ from tidegate.engine.bench.workloads import Workload, long_prompt_arrival_worklo
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
+# Where `make bench-peers` (benchmarks/peers/setup_vllm.sh) sets up vLLM's CPU build.
+PEERS = ROOT / ".cache" / "peers"
 
 
 def model_dir(size: str, root: Path | None = None) -> Path:
@@ -33,15 +35,30 @@ def model_dir(size: str, root: Path | None = None) -> Path:
     return folder
 
 
+def peer_python(peers: Path = PEERS) -> Path:
+    """The interpreter of the peer venv that setup_vllm.sh builds under `peers`."""
+    return peers / "vllm-venv" / "bin" / "python"
+
+
+def check_peers(peers: Path = PEERS) -> None:
+    """Exit with what to run when the peer is not set up under `peers`."""
+    if not (peers / "vllm-env.sh").is_file():
+        raise SystemExit(f"vLLM is not installed in {peers}: run `make bench-peers`")
+
+
+def in_peer_env(command: list[str], peers: Path = PEERS) -> list[str]:
+    """`command` under bash, in the environment setup_vllm.sh wrote for the peer venv."""
+    script = f"source {shlex.quote(str(peers / 'vllm-env.sh'))} && exec {shlex.join(command)}"
+    return ["bash", "-c", script]
+
+
 def run_peer_script(script: Path, arguments: list[str], timeout: int = 1800) -> dict:
     """Run a benchmarks/peers script in vLLM's venv (make bench-peers), with `--out FILE` added;
     returns the JSON it wrote there."""
-    env = ROOT / ".cache" / "peers" / "vllm-env.sh"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        command = shlex.join([str(script), *arguments, "--out", str(out)])
-        script_line = f"source {shlex.quote(str(env))} && $PEER_VLLM_PYTHON {command}"
-        subprocess.run(["bash", "-c", script_line], check=True, timeout=timeout)
+        command = [str(peer_python()), str(script), *arguments, "--out", str(out)]
+        subprocess.run(in_peer_env(command), check=True, timeout=timeout)
         return json.loads(out.read_text())
 
 

@@ -23,11 +23,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serving_vs_vllm import PEERS, check_peers, in_peer_env, peer_python, vllm_server
+from serving_vs_vllm import vllm_server
 
 from common import (
+    PEERS,
+    check_peers,
+    in_peer_env,
     machine,
     model_dir,
+    peer_python,
     scenario_parser,
     table,
     tidegate_server,

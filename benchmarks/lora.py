@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 from offline_throughput import make_prompts
-from serving_vs_vllm import PEER_PYTHON, in_peer_env
 
 from common import (
     ROOT,
+    in_peer_env,
     machine,
     model_dir,
+    peer_python,
     scenario_parser,
     table,
     update_readme,
@@ -106,7 +107,7 @@ def run_vllm(model: Path, adapters: list[Path], prompts, output_len: int, repeat
         prompts_file, out = Path(tmp) / "prompts.json", Path(tmp) / "vllm.json"
         prompts_file.write_text(json.dumps(prompts))
         command = [
-            str(PEER_PYTHON),
+            str(peer_python()),
             str(PEER_SCRIPT),
             "--model",
             str(model),

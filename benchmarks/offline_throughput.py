@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import random
-import shlex
 import statistics
 import subprocess
 import tempfile
@@ -23,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-PEER_ENV = ROOT / ".cache" / "peers" / "vllm-env.sh"
+from common import ROOT, check_peers, in_peer_env, peer_python
+
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_offline.py"
 
 
@@ -86,11 +85,11 @@ def run_vllm(model_dir: Path, prompts, output_len: int, dtype: str, repeats: int
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file, out = Path(tmp) / "prompts.json", Path(tmp) / "vllm.json"
         prompts_file.write_text(json.dumps(prompts))
-        run = [
-            "$PEER_VLLM_PYTHON",
-            shlex.quote(str(PEER_SCRIPT)),
+        command = [
+            str(peer_python()),
+            str(PEER_SCRIPT),
             "--model",
-            shlex.quote(str(model_dir)),
+            str(model_dir),
             "--prompts-json",
             str(prompts_file),
             "--output-len",
@@ -102,8 +101,7 @@ def run_vllm(model_dir: Path, prompts, output_len: int, dtype: str, repeats: int
             "--out",
             str(out),
         ]
-        script = f"source {shlex.quote(str(PEER_ENV))} && " + " ".join(run)
-        subprocess.run(["bash", "-c", script], check=True, timeout=1800)
+        subprocess.run(in_peer_env(command), check=True, timeout=1800)
         record = json.loads(out.read_text())
     per_s = record["output_tokens_per_s"]
     return {
@@ -141,8 +139,8 @@ def main() -> None:
     )
     parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
     args = parser.parse_args()
-    if args.with_vllm and not PEER_ENV.is_file():
-        raise SystemExit("vLLM is not set up: run `bash benchmarks/peers/setup_vllm.sh` first")
+    if args.with_vllm:
+        check_peers()
 
     from tidegate.engine.tiny_model import make_tiny_model
 

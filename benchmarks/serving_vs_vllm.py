@@ -21,9 +21,12 @@ import tempfile
 from pathlib import Path
 
 from common import (
-    ROOT,
+    PEERS,
+    check_peers,
+    in_peer_env,
     machine,
     model_dir,
+    peer_python,
     scenario_parser,
     table,
     tidegate_server,
@@ -34,28 +37,6 @@ from tidegate.common.local_server import LocalServer, free_port
 from tidegate.engine.bench.plot import plot_run
 from tidegate.engine.bench.serve import run_bench
 from tidegate.engine.bench.workloads import random_workload
-
-PEERS = ROOT / ".cache" / "peers"
-
-
-def peer_python(peers: Path) -> Path:
-    """The interpreter of the peer venv that setup_vllm.sh builds under `peers`."""
-    return peers / "vllm-venv" / "bin" / "python"
-
-
-def check_peers(peers: Path) -> None:
-    """Exit with what to run when the peer is not set up under `peers`."""
-    if not (peers / "vllm-env.sh").is_file():
-        raise SystemExit(f"vLLM is not installed in {peers}: run `make bench-peers`")
-
-
-PEER_PYTHON = peer_python(PEERS)
-
-
-def in_peer_env(command: list[str], peers: Path = PEERS) -> list[str]:
-    """`command` under bash, in the environment setup_vllm.sh wrote for the peer venv."""
-    script = f"source {shlex.quote(str(peers / 'vllm-env.sh'))} && exec {shlex.join(command)}"
-    return ["bash", "-c", script]
 
 
 def vllm_server(model: Path, max_model_len: int, peers: Path) -> LocalServer:

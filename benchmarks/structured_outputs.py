@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 
 from offline_throughput import make_prompts
-from serving_vs_vllm import PEER_PYTHON, in_peer_env
 
 from common import (
     ROOT,
+    in_peer_env,
     machine,
     model_dir,
+    peer_python,
     scenario_parser,
     table,
     update_readme,
@@ -217,7 +218,7 @@ def run_vllm(model: Path, plan: dict, output_len: int, repeats: int) -> dict:
         plan_file, out = Path(tmp) / "plan.json", Path(tmp) / "vllm.json"
         plan_file.write_text(json.dumps(plan))
         command = [
-            str(PEER_PYTHON),
+            str(peer_python()),
             str(PEER_SCRIPT),
             "--model",
             str(model),
