@@ -200,3 +200,29 @@ def test_the_chunk_slack_and_step_target_come_from_the_command_line_with_auto_ch
     for value in ("0", "nan", "inf"):
         with pytest.raises(SystemExit, match="long_prefill_step_ms"):
             serve(*auto, "--long-prefill-step-ms", value)
+
+
+def test_serve_takes_the_model_as_vllm_serve_does():
+    from tidegate.cli import build_parser
+    from tidegate.engine.entrypoints.args import engine_args_from
+    from tidegate.engine.entrypoints.cli import take_model_tag
+
+    def model(*argv: str, config: str | None = None) -> str:
+        values = {"model": config} if config else None
+        ns = build_parser(values, only=["serve"]).parse_args(["serve", *argv])
+        take_model_tag(ns)
+        return engine_args_from(ns).model
+
+    assert model("/m") == "/m"
+    assert model("/m", "--port", "9000") == model("--port", "9000", "/m") == "/m"
+    assert model("--model", "/m") == model("/m", "--model", "/m") == "/m"
+    assert model("/m", config="/m") == model(config="/m") == "/m"
+    for argv, config in ((["/m", "--model", "/other"], None), (["/m"], "/other")):
+        with pytest.raises(SystemExit, match="the model is given twice, as '/m'"):
+            model(*argv, config=config)
+    # Without either, serve says how to name it.
+    result = subprocess.run(
+        [*CLI, "serve", "--port", "9000"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert "tidegate serve MODEL, or --model MODEL" in result.stderr

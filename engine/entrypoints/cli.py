@@ -62,12 +62,29 @@ def _serve(ns: argparse.Namespace) -> int:
         from tidegate.engine.executor.node_agent import run_node
 
         return run_node(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.log_level)
+    take_model_tag(ns)
     if ns.model is None:
-        raise SystemExit("tidegate serve: --model is required (on the leader: --node-rank 0)")
+        raise SystemExit(
+            "tidegate serve: the model is required: tidegate serve MODEL, or --model MODEL "
+            "(on the leader: --node-rank 0)"
+        )
     from tidegate.engine.entrypoints.serve import run_server
 
     engine_args = engine_args_from(ns)
     return run_server(engine_args, engine_args_from(ns, ServerArgs))
+
+
+def take_model_tag(ns: argparse.Namespace) -> None:
+    """`tidegate serve MODEL`, as `vllm serve MODEL`: the positional fills --model, and the two
+    (or a --config file's model) must not name different folders."""
+    if ns.model_tag is None:
+        return
+    if ns.model is not None and ns.model != ns.model_tag:
+        raise SystemExit(
+            f"tidegate serve: the model is given twice, as {ns.model_tag!r} and as --model "
+            f"{ns.model!r}; give it once"
+        )
+    ns.model = ns.model_tag
 
 
 def _fetch_model(ns: argparse.Namespace) -> int:
@@ -115,7 +132,13 @@ def add_serve(parser: argparse.ArgumentParser, config: dict[str, Any] | None) ->
         metavar="FILE",
         help="YAML file of flag: value (e.g. max-num-seqs: 64); flags given here win",
     )
-    # --model may be left out on a node above rank 0, which takes the leader's.
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model folder, as an alternative to --model (vLLM's `vllm serve MODEL`)",
+    )
+    # The model may be left out on a node above rank 0, which takes the leader's.
     add_engine_args(parser, defaults={"model": None, **(config or {})})
     add_engine_args(parser, ServerArgs, defaults=config)
     parser.set_defaults(handler=_serve)
