@@ -77,10 +77,16 @@ class InputProcessor:
                 f"prompt, {params.max_tokens:,} for the completion); lower max_tokens to at most "
                 f"{self.max_model_len - len(token_ids):,}"
             )
-        for token_id in params.stop_token_ids or []:
-            if token_id >= self.vocab_size:
+        token_fields = {
+            "stop_token_ids": params.stop_token_ids or (),
+            "logit_bias": params.logit_bias or (),
+            "allowed_token_ids": params.allowed_token_ids or (),
+        }
+        for name, ids in token_fields.items():
+            token_id = next((t for t in ids if t >= self.vocab_size), None)
+            if token_id is not None:
                 raise ValueError(
-                    f"stop_token_ids contains {token_id}; this model's vocabulary has "
+                    f"{name} contains {token_id}; this model's vocabulary has "
                     f"{self.vocab_size:,} tokens"
                 )
         params = copy.copy(params)
@@ -90,6 +96,16 @@ class InputProcessor:
             params.top_k = 0
         stop_ids = set(params.stop_token_ids or [])
         params.all_stop_token_ids = stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
+        if (
+            params.min_tokens
+            and params.allowed_token_ids is not None
+            and set(params.allowed_token_ids) <= params.all_stop_token_ids
+        ):
+            # min_tokens forbids the stop tokens, which would leave no token to sample.
+            raise ValueError(
+                f"allowed_token_ids holds only stop tokens ({sorted(params.allowed_token_ids)}),"
+                f" so min_tokens ({params.min_tokens}) cannot be met"
+            )
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -85,6 +85,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit
+    # before sampling, greedy rows included (-100 all but bans a token, 100 all but forces it).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
     # Grammar-constrained decoding: every sampled token keeps the output a valid prefix.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids, which end a request unless ignore_eos.
@@ -95,6 +100,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -133,6 +141,19 @@ class SamplingParams:
             fail("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0:
+                fail(f"logit_bias keys must be non-negative token ids, got {token_id}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                fail("allowed_token_ids must not be empty: no token could be sampled")
+            if any(t < 0 for t in self.allowed_token_ids):
+                fail(f"allowed_token_ids must be non-negative, got {self.allowed_token_ids}")
+            if self.structured_outputs is not None:
+                # A grammar could forbid every allowed token, leaving nothing to sample.
+                fail("allowed_token_ids cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

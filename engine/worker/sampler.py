@@ -32,6 +32,10 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None
     # (rows, token ids) whose logits are -inf because the request is below min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # OpenAI's logit_bias, flattened over the rows that have one: (rows, token ids, values).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (rows, bool [rows, vocab]); a row samples only its True tokens.
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # Structured outputs: (rows, int32 bitmask [rows, words]); a clear bit forbids a token.
     grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
@@ -98,6 +102,8 @@ def build_sampling_metadata(
         meta.output_token_ids = pad_token_ids(output_token_ids, vocab_size, device)
 
     meta.min_tokens_mask = _min_tokens_mask(params, output_token_ids, vocab_size, device)
+    meta.logit_bias = _logit_bias(params, device)
+    meta.allowed_tokens = _allowed_tokens(params, vocab_size, device)
     requested = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(requested) if requested else None
     return meta
@@ -128,16 +134,58 @@ def _min_tokens_mask(
     )
 
 
+def _logit_bias(
+    params: list[SamplingParams], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([row] * len(p.logit_bias))
+            token_ids.extend(p.logit_bias)
+            values.extend(p.logit_bias.values())
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _allowed_tokens(
+    params: list[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask_rows = [i for i, row in enumerate(rows) for _ in params[row].allowed_token_ids]
+    token_ids = [t for row in rows for t in params[row].allowed_token_ids]
+    allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    index = torch.tensor([mask_rows, token_ids], dtype=torch.int64, device=device)
+    allowed[index[0], index[1]] = True
+    return torch.tensor(rows, dtype=torch.int64, device=device), allowed
+
+
 class Sampler:
-    """Picks one token per row: penalties, then greedy or truncated random sampling."""
+    """Picks one token per row: logit bias and token masks, penalties, then greedy or truncated
+    random sampling."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from float32 logits [N, V]; logprobs describe the raw, unpenalized logits."""
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if meta.min_tokens_mask is not None or meta.grammar_bitmask is not None:
+        masks = (meta.min_tokens_mask, meta.grammar_bitmask, meta.logit_bias, meta.allowed_tokens)
+        if any(m is not None for m in masks):
             logits = logits.clone()  # the caller's logits stay untouched
+        if meta.logit_bias is not None:
+            rows, token_ids, values = meta.logit_bias
+            logits.index_put_((rows, token_ids), values, accumulate=True)
+        if meta.allowed_tokens is not None:
+            rows, allowed = meta.allowed_tokens
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         if meta.min_tokens_mask is not None:
             logits[meta.min_tokens_mask] = float("-inf")
         if meta.grammar_bitmask is not None:

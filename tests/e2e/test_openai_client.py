@@ -135,6 +135,44 @@ def test_seeded_sampling_is_reproducible_across_calls(client):
     assert sample(7) != sample(8)
 
 
+def test_logit_bias_and_allowed_token_ids_match_the_offline_engine(client, offline):
+    # Token 77 biased up and the plain greedy first token banned: the offline engine, given
+    # the same ids as ints, agrees token for token; OpenAI's keys are strings.
+    plain = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1))
+    first = plain[0].outputs[0].token_ids[0]
+    bias = {77: 6.0, first: -100.0}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias)
+    want = offline.generate([PROMPTS[1]], params)[0].outputs[0]
+    got = client.completions.create(
+        model=SERVED_NAME,
+        prompt=PROMPTS[1],
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == want.text and want.token_ids[0] != first
+
+    messages = [{"role": "user", "content": "Name a river."}]
+    allowed = [40, 41, 42, 77]
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed)
+    want = offline.chat(messages, params)[0].outputs[0]
+    assert set(want.token_ids) <= set(allowed)
+    got = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed},
+    )
+    assert got.choices[0].message.content == want.text
+
+    with pytest.raises(openai.BadRequestError, match="logit_bias values must be in"):
+        client.completions.create(
+            model=SERVED_NAME, prompt="x", max_tokens=1, logit_bias={"77": 200}
+        )
+
+
 def test_n_choices_are_indexed_and_differ(client):
     got = client.completions.create(
         model=SERVED_NAME,

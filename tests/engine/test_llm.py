@@ -124,6 +124,26 @@ def test_max_tokens_min_tokens_and_eos(llm):
         assert output.outputs[0].finish_reason in ("stop", "length")
 
 
+def test_logit_bias_and_allowed_token_ids_steer_the_whole_output(llm):
+    prompt = tokens(30, 14)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    unbiased = llm.generate([prompt], plain)[0].outputs[0].token_ids
+    biased = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    forced = llm.generate([prompt], SamplingParams(**biased, logit_bias={77: 100}))[0]
+    assert forced.outputs[0].token_ids == [77] * 6
+    banned = SamplingParams(**biased, logit_bias={unbiased[0]: -100})
+    assert llm.generate([prompt], banned)[0].outputs[0].token_ids[0] != unbiased[0]
+    # Random sampling over three allowed tokens, in one batch with an unconstrained request.
+    allowed = SamplingParams(
+        temperature=1.5, max_tokens=12, ignore_eos=True, seed=2, allowed_token_ids=[10, 11, 12]
+    )
+    restricted, free = llm.generate([prompt, prompt], [allowed, plain])
+    assert set(restricted.outputs[0].token_ids) <= {10, 11, 12}
+    assert len(set(restricted.outputs[0].token_ids)) > 1
+    assert free.outputs[0].token_ids == unbiased
+    assert_nothing_leaked(llm)
+
+
 def test_logprobs_are_returned_per_token(llm):
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     completion = llm.generate([tokens(4, 20)], params)[0].outputs[0]
@@ -172,6 +192,10 @@ def test_text_prompts_and_chat(llm):
         ([5], {"max_tokens": 0}, "max_tokens"),
         ([5], {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ([5], {"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ([5], {"logit_bias": {1024: 5.0}}, "logit_bias contains 1024; .* 1,024 tokens"),
+        ([5], {"allowed_token_ids": [7, 1024]}, "allowed_token_ids contains 1024"),
+        # EOS is token 2: min_tokens forbids it, which would leave nothing to sample.
+        ([5], {"allowed_token_ids": [2], "min_tokens": 1}, "only stop tokens"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error_and_leaks_nothing(llm, prompt, params, message):

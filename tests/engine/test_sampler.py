@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tidegate.engine.worker.penalties import apply_penalties, pad_token_ids
 from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 
@@ -268,8 +268,6 @@ def test_token_bitmask_forbids_exactly_the_clear_bits_of_the_constrained_rows():
 
 
 def test_constrained_rows_sample_only_allowed_tokens_greedy_and_random():
-    from tidegate.engine.sampling_params import StructuredOutputsParams
-
     vocab = 40
     allowed = [[5, 17], [33]]
     bitmask = torch.zeros(2, 2, dtype=torch.int32)
@@ -292,3 +290,80 @@ def test_constrained_rows_sample_only_allowed_tokens_greedy_and_random():
     tokens = Sampler()(logits, meta).sampled_token_ids.tolist()
     assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t]) and tokens[1] == 33
     assert tokens[2] == int(logits[2].argmax())
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_leaves_the_others():
+    logits = random_logits(4, seed=11)
+    top = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 100.0}),  # all but forces token 3
+        SamplingParams(temperature=0.0, logit_bias={top[1]: -100.0}),  # bans the argmax
+        SamplingParams(temperature=1.0, logit_bias={t: -100.0 for t in range(VOCAB) if t != 9}),
+        SamplingParams(temperature=0.0, logprobs=1),  # no bias: argmax, raw logprobs
+    ]
+    out = sample(logits, params, generators={2: torch.Generator().manual_seed(1)})
+    tokens = out.sampled_token_ids.tolist()
+    runner_up = logits[1].clone()
+    runner_up[top[1]] -= 100.0
+    assert tokens == [3, int(runner_up.argmax()), 9, top[3]]
+    # Logprobs describe the raw logits, as for penalties: the bias is not in them.
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(
+        out.logprobs[:, 0], raw.gather(1, out.sampled_token_ids[:, None])[:, 0]
+    )
+
+
+def test_logit_bias_adds_to_the_logit_before_temperature():
+    # Two tokens whose logits differ by 1; a bias of +1 on the lower one makes them equally
+    # likely, so a random row draws each about half the time.
+    logits = torch.full((1, VOCAB), -1e9)
+    logits[0, 4], logits[0, 5] = 2.0, 1.0
+    params = SamplingParams(temperature=0.7, seed=5, logit_bias={5: 1.0})
+    generator = torch.Generator().manual_seed(5)
+    meta = build_sampling_metadata([params], [[]], [[]], {0: generator}, VOCAB, "cpu")
+    draws = [sampler(logits, meta).sampled_token_ids.item() for _ in range(400)]
+    assert set(draws) == {4, 5} and 160 <= draws.count(5) <= 240
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    logits = random_logits(3, seed=12)
+    allowed = [[1, 2, 3], [30]]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed[0]),
+        SamplingParams(temperature=2.0, top_p=0.5, allowed_token_ids=allowed[1]),
+        SamplingParams(temperature=0.0),
+    ]
+    meta = build_sampling_metadata(params, [[]] * 3, [[]] * 3, {}, VOCAB, "cpu")
+    rows, mask = meta.allowed_tokens
+    assert rows.tolist() == [0, 1] and mask.shape == (2, VOCAB)
+    assert [torch.nonzero(m).flatten().tolist() for m in mask] == allowed
+    tokens = sampler(logits, meta).sampled_token_ids.tolist()
+    assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t]) and tokens[1] == 30
+    assert tokens[2] == int(logits[2].argmax())
+    assert (
+        build_sampling_metadata([SamplingParams()], [[]], [[]], {}, VOCAB, "cpu").allowed_tokens
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {5: 100.5}}, r"logit_bias values must be in \[-100, 100\]"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be non-negative"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [3, -2]}, "allowed_token_ids must be non-negative"),
+        (
+            {"allowed_token_ids": [3], "structured_outputs": StructuredOutputsParams(regex="a")},
+            "cannot be combined with structured outputs",
+        ),
+    ],
+)
+def test_bad_bias_or_allowed_tokens_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_an_empty_logit_bias_is_none():
+    assert SamplingParams(logit_bias={}).logit_bias is None

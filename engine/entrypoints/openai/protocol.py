@@ -44,6 +44,8 @@ _SAMPLING_FIELDS = (
     "repetition_penalty",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "logit_bias",
+    "allowed_token_ids",
 )
 
 
@@ -82,7 +84,10 @@ class SamplingRequest(ConstrainedRequest):
     stream_options: StreamOptions | None = None
     user: Any = None  # accepted, unused
     cache_salt: str | None = None
+    # Token id (as a string) -> bias in [-100, 100]; the engine checks the range and the ids.
     logit_bias: dict[str, float] | None = None
+    # vLLM's field: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
     # Disaggregated serving (set by `tidegate router`): see tidegate.engine.kv_transfer.params.
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's field: lower is admitted first under --scheduling-policy priority; any other
@@ -107,10 +112,16 @@ class SamplingRequest(ConstrainedRequest):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise _unsupported("logit_bias")
-        return value
+    def _bias_token_ids(cls, value: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's keys are token ids written as strings: the engine takes them as ints."""
+        if not value:
+            return None
+        bias = {}
+        for key, number in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = number
+        return bias
 
     @property
     def include_usage(self) -> bool:

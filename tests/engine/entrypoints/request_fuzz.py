@@ -133,7 +133,25 @@ def sampling_fields() -> dict[str, Field]:
         "ignore_eos": field(st.booleans()),
         "include_stop_str_in_output": field(st.booleans()),
         "skip_special_tokens": field(st.booleans()),
-        "logit_bias": field(st.just({}), {"5": 1.0}, {"x": "y"}),
+        "logit_bias": field(
+            st.dictionaries(in_vocab.map(str), st.floats(-100, 100), max_size=3),
+            {"x": 1.0},
+            {"5": "y"},
+            {"5": 100.5},
+            {"-1": 1.0},
+            {str(VOCAB_SIZE): 1.0},
+            {"5": math.nan},
+        ),
+        # Five distinct tokens: at least one is not a stop token (at most three stop_token_ids
+        # and EOS), so min_tokens can always be met.
+        "allowed_token_ids": field(
+            st.lists(in_vocab, min_size=5, max_size=6, unique=True),
+            [],
+            [-1],
+            [VOCAB_SIZE],
+            [*HUGE],
+            [2],
+        ),
         "stream": field(st.just(True), False),  # hypothesis favours False, the default
         "stream_options": field(
             st.fixed_dictionaries({"include_usage": st.booleans()}), {}, {"include_usage": None}

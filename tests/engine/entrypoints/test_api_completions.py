@@ -126,6 +126,8 @@ def test_sampling_fields_reach_the_engine(api, engine):
             "repetition_penalty": 1.2,
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
+            "logit_bias": {"5": 100, "17": -2.5},
+            "allowed_token_ids": [5, 6, 17],
             "cache_salt": "tenant-a",
             "user": "someone",
             "some_future_field": {"ignored": True},
@@ -139,6 +141,8 @@ def test_sampling_fields_reach_the_engine(api, engine):
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert params.repetition_penalty == 1.2
     assert params.include_stop_str_in_output and not params.skip_special_tokens
+    # OpenAI's keys are token ids as strings; the engine takes ints.
+    assert params.logit_bias == {5: 100.0, 17: -2.5} and params.allowed_token_ids == [5, 6, 17]
     assert request.cache_salt == "tenant-a"
 
 

@@ -115,7 +115,6 @@ def test_one_bad_prompt_in_a_batch_submits_nothing(api, engine):
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"echo": True}, "echo"),
-        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
@@ -126,6 +125,28 @@ def test_unsupported_features_are_400_naming_the_field(api, engine, path, fields
     body = {"model": MODEL, "prompt": "a", "messages": CHAT, **fields}
     error = error_of(api.post(path, body), 400, param=param)
     assert param in error["message"]
+    assert not engine.submitted
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids, got '-1'"),
+        ({"logit_bias": {" 5": 1}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"5": "y"}}, "logit_bias", "valid number"),
+        ({"logit_bias": {"5": 101}}, None, "must be in [-100, 100], got 101.0 for token 5"),
+        ({"logit_bias": {"99999": 1}}, None, "logit_bias contains 99999"),
+        ({"allowed_token_ids": []}, None, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [1, 99999]}, None, "allowed_token_ids contains 99999"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids[0]", "valid integer"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bad_logit_bias_or_allowed_token_list_is_400(api, engine, path, fields, param, words):
+    body = {"model": MODEL, "prompt": "a", "messages": CHAT, **fields}
+    error = error_of(api.post(path, body), 400, param=param)
+    assert words in error["message"]
     assert not engine.submitted
 
 
