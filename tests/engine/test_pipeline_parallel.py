@@ -343,7 +343,7 @@ def test_a_leader_and_a_node_answer_as_one_worker_does_and_fall_together(
     """Two "nodes" on one machine: the leader serves and runs stage 0; the node, started after
     it, gets everything but the addresses in the handshake and runs stage 1. When the leader
     goes, the node stops its worker and exits 1 (the group restarts as a unit)."""
-    master_port = free_port()
+    master_port = free_port(consecutive=2)  # the rendezvous and the control channel beside it
     leader = ServerProcess(
         tiny_llama_dir,
         tmp_path,
