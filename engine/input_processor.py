@@ -65,6 +65,11 @@ class InputProcessor:
                 f"priority {priority} needs a server started with --scheduling-policy priority; "
                 "this one takes only priority 0"
             )
+        if params.prompt_logprobs is not None and kv_transfer is not None:
+            raise ValueError(
+                "prompt_logprobs need the prompt computed on this instance, so they cannot be "
+                "combined with kv_transfer_params (disaggregated serving)"
+            )
         token_ids = self.prompt_token_ids(prompt)
         self.check_prompt(token_ids)
         if (

@@ -130,6 +130,9 @@ class ModelRunnerOutput(msgspec.Struct):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    # Requests with prompt_logprobs, on the step that samples their first token: one entry per
+    # prompt token after the first (the token itself, then the top k; its rank).
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
 
 
 # -- API server <-> EngineCore --------------------------------------------------------------
@@ -172,6 +175,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: LogprobsLists | None = None
+    # With the first token of a request that asked for them: its prompt tokens' logprobs.
+    prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     # Seconds from arrival to first being scheduled; set on a request's first output only.
     queue_time: float | None = None

@@ -117,6 +117,8 @@ class OutputProcessor:
                 state.output.kv_transfer_params = out.kv_transfer_params
             if state.want_logprobs and out.new_logprobs is not None:
                 self._append_logprobs(completion, out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                state.output.prompt_logprobs = [None, *self._entries(out.prompt_logprobs)]
             stop = state.detokenizer.update(out.new_token_ids)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if stop is not None and finish_reason is None:
@@ -130,9 +132,14 @@ class OutputProcessor:
                 completion.stop_reason = stop_reason
                 state.output.finished = True
                 del self._states[out.req_id]
-            updated.append(
-                self._delta(state, len(out.new_token_ids)) if state.delta else state.output
-            )
+            if state.delta:
+                delta = self._delta(state, len(out.new_token_ids))
+                # Streaming callers get the prompt's logprobs once, with the first token.
+                if out.prompt_logprobs is not None:
+                    delta.prompt_logprobs = state.output.prompt_logprobs
+                updated.append(delta)
+            else:
+                updated.append(state.output)
         return updated, to_abort
 
     def _delta(self, state: _RequestState, num_new_tokens: int) -> RequestOutput:
@@ -163,6 +170,12 @@ class OutputProcessor:
         )
 
     def _append_logprobs(self, completion: CompletionOutput, lists: LogprobsLists) -> None:
+        completion.logprobs.extend(self._entries(lists))
+        completion.cumulative_logprob += sum(values[0] for values in lists.logprobs)
+
+    def _entries(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        """One dict a position: its token (sampled, or the prompt's) first, then the top k."""
+        entries = []
         for ids, values, rank in zip(
             lists.token_ids, lists.logprobs, lists.sampled_token_ranks, strict=True
         ):
@@ -176,5 +189,5 @@ class OutputProcessor:
                     rank=rank if position == 0 else position,
                     decoded_token=self.tokenizer.decode([token_id], skip_special_tokens=False),
                 )
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += values[0]
+            entries.append(entry)
+        return entries

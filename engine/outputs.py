@@ -46,3 +46,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # A KV producer's answer: where a consumer pulls this prompt's KV (on the last output).
     kv_transfer_params: dict | None = None
+    # With prompt_logprobs, once the first token is out: per prompt token, candidate token id
+    # -> Logprob (the prompt's token always present); None for the first, which nothing predicts.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

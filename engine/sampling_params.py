@@ -83,6 +83,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token
+    # Number of top logprobs per prompt token (vLLM's prompt_logprobs; completions' echo with
+    # logprobs): every prompt token is computed, none taken from the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit
@@ -135,6 +138,8 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             fail(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):

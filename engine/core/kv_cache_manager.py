@@ -71,6 +71,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         extend_block_hashes(request, self.block_size)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Its prompt's logprobs come from computing every prompt token: a hit would skip some.
+            return [], 0
         # Stop one token short of the whole prompt: the last token must be computed so the
         # step yields logits to sample from.
         max_blocks = max(request.num_tokens - 1, 0) // self.block_size

@@ -671,6 +671,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     new_logprobs=runner_output.logprobs.get(req_id),
+                    prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_time=self._queue_time(request, len(new_token_ids)),
                     kv_transfer_params=request.kv_transfer_params_out,

@@ -35,9 +35,18 @@ from tidegate.engine.model.packed_linear import pack_linear_weights
 from tidegate.engine.worker import compilation
 from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder, PersistentBatch
-from tidegate.engine.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from tidegate.engine.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    build_sampling_metadata,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
+
+# Rows of prompt logits computed at once for prompt_logprobs: 256 x a 128k vocabulary in
+# float32 is 128 MiB.
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 class ModelRunner:
@@ -105,6 +114,8 @@ class ModelRunner:
         # Key/value heads this rank caches: all, its share, or one replicated head.
         self.num_kv_heads = kv_head_shard(model_config.num_key_value_heads)[1]
         self.requests: dict[str, CachedRequestState] = {}
+        # Held requests whose prompt logprobs have not gone out yet (a step checks it for free).
+        self.prompt_logprobs_pending: set[str] = set()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
         max_blocks_per_seq = -(-max_model_len // args.block_size)
@@ -219,6 +230,7 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 batch.remove(state.row)
+            self.prompt_logprobs_pending.discard(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -226,6 +238,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
             row = batch.add(new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs_pending.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 row=row,
@@ -276,6 +290,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        prompt_logprobs: dict[str, LogprobsLists] = {}
+        if self.prompt_logprobs_pending:
+            self._prompt_logprobs(hidden, states, rows, num_scheduled)
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
             sampling = [states[i] for i in step.sampling_rows]
@@ -285,10 +302,60 @@ class ModelRunner:
             for row, state, token in zip(step.sampling_rows, sampling, tokens, strict=True):
                 state.output_token_ids.append(token)
                 sampled[row] = [token]
+                if self.prompt_logprobs_pending and state.wants_prompt_logprobs:
+                    prompt_logprobs[state.req_id] = LogprobsLists(
+                        *(state.prompt_logprobs or ([], [], []))
+                    )
+                    state.prompt_logprobs, state.prompt_logprobs_sent = None, True
+                    self.prompt_logprobs_pending.discard(state.req_id)
             if output is not None and output.logprobs is not None:
                 logprobs = self._logprobs_lists(output, sampling)
         self.batch.num_computed_tokens[rows] += num_scheduled
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        num_scheduled: list[int],
+    ) -> None:
+        """The logprobs of the prompt tokens this step's chunks predict (the hidden state at
+        position p predicts token p + 1), added to each asking request's state.
+
+        Such requests take no prefix-cache hits, so their chunks cover the prompt from the
+        start; a chunk recomputed after a preemption adds nothing twice. Every rank computes
+        the logits (the vocab-parallel LM head gathers across them); slices of at most
+        _PROMPT_LOGPROBS_ROWS rows bound the float32 [rows, vocab] memory.
+        """
+        starts = np.cumsum([0, *num_scheduled])
+        for i, state in enumerate(states):
+            if not state.wants_prompt_logprobs:
+                continue
+            ids, values, ranks = state.prompt_logprobs or ([], [], [])
+            begin = int(self.batch.num_computed_tokens[rows[i]])  # this chunk's first position
+            # The next position whose prediction is missing, and the chunk's last one that
+            # predicts a prompt token (the prompt's last position predicts the first output).
+            first = max(begin, len(ids))
+            last = min(begin + num_scheduled[i], len(state.prompt_token_ids) - 1)
+            if first > len(ids):
+                raise RuntimeError(f"prompt logprobs of {state.req_id} skip a position")
+            for lo in range(first, last, _PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + _PROMPT_LOGPROBS_ROWS, last)
+                flat = int(starts[i]) + lo - begin
+                logits = self.model.compute_logits(hidden[flat : flat + hi - lo]).float()
+                targets = torch.tensor(
+                    state.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.int64, device=logits.device
+                )
+                more = token_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+                for gathered, new in zip((ids, values, ranks), more, strict=True):
+                    gathered.extend(new)
+            state.prompt_logprobs = (ids, values, ranks)
 
     def _grammar_rows(
         self, grammar: GrammarBitmask | None, rows: list[CachedRequestState], device: torch.device

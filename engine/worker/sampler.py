@@ -286,6 +286,21 @@ def sample_categorical(probs: torch.Tensor, generators: dict[int, torch.Generato
     return sampled.clamp_max_(probs.shape[1] - 1)  # a row of NaN finds no token
 
 
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """For rows of float32 logits and one given token a row (a prompt's next token): the
+    token's logprob, then the top num_top, and its rank, as `_fill_logprobs` gives them for
+    sampled tokens."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+    values = torch.cat([chosen, top_logprobs], dim=1)
+    return ids.tolist(), values.tolist(), ranks.tolist()
+
+
 def _fill_logprobs(
     output: SamplerOutput, logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
 ) -> None:

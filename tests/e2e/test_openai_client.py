@@ -173,6 +173,34 @@ def test_logit_bias_and_allowed_token_ids_match_the_offline_engine(client, offli
         )
 
 
+def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_does(client, offline):
+    # lm-evaluation-harness's loglikelihood: echo the prompt with logprobs, one token.
+    prompt = "The tide comes in and the tide goes out"
+    want = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    )[0]
+    got = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    choice = got.choices[0]
+    assert choice.text == prompt + want.outputs[0].text
+    ids = want.prompt_token_ids
+    assert len(choice.logprobs.tokens) == len(ids) + 1
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    expected = [want.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    # Streamed, the prompt comes in the first chunk and the text adds up to the same.
+    stream = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert chunks[0].startswith(prompt)
+    whole = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True
+    )
+    assert "".join(chunks) == whole.choices[0].text
+
+
 def test_n_choices_are_indexed_and_differ(client):
     got = client.completions.create(
         model=SERVED_NAME,

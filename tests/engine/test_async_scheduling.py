@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from tidegate.engine import LLM
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.core.chunk_tuner import StepMix
 from tidegate.engine.core.engine_core import EngineCore
@@ -282,3 +283,36 @@ def test_the_chunk_tuner_learns_each_step_with_its_own_mix(tiny_llama_dir):
     assert any(mix.decodes and mix.prefill_tokens for mix in planned)  # mixed steps among them
     # Each prompt token attends to itself at least: a chunk has as many pairs as tokens or more.
     assert all(mix.prefill_pairs >= mix.prefill_tokens for mix in planned)
+
+
+def test_prompt_logprobs_are_those_of_synchronous_scheduling(tiny_llama_dir):
+    # Prompts in chunks of 32 tokens, one of them shorter than a chunk: the logprobs go out
+    # with each request's first token, whichever step plans its next one meanwhile.
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 900) for _ in range(n)] for n in (70, 5, 130)]
+    params = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1)
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            max_num_batched_tokens=32,
+            max_model_len=512,
+            num_gpu_blocks=64,
+            async_scheduling=async_scheduling,
+        )
+        outputs = llm.generate(prompts, params)
+        results.append(
+            [
+                (
+                    o.outputs[0].token_ids,
+                    [
+                        None if e is None else [(t, lp.logprob) for t, lp in e.items()]
+                        for e in o.prompt_logprobs
+                    ],
+                )
+                for o in outputs
+            ]
+        )
+    assert results[1] == results[0]
+    assert [len(logprobs) for _, logprobs in results[1]] == [70, 5, 130]

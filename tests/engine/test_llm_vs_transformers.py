@@ -106,3 +106,62 @@ def test_greedy_tokens_identical_to_transformers(model_and_reference, caching, t
     if not caching:
         assert stats["prefix_cache_hits"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def transformers_prompt_logprobs(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, log_softmax of the logits at each position: [len(prompt), vocab]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([p])).logits[0], dim=-1) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("threshold", "budget"), [(0, "large"), (7, "small")], ids=["whole-prompts", "chunks-preempted"]
+)
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
+    model_and_reference, threshold, budget
+):
+    # Chunks of 7 tokens on a tight pool (preemption recomputes chunks whose logprobs were
+    # already taken), or whole prompts; caching on, and the shared prefix is computed again
+    # each time, since a cache hit would skip the positions whose logprobs are asked for.
+    model_dir, prompts, expected = model_and_reference
+    small = budget == "small"
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=16,
+        long_prefill_token_threshold=threshold,
+        max_num_batched_tokens=48 if small else 2048,
+        num_gpu_blocks=36 if small else 512,
+        max_num_partial_prefills=3 if small else 1,
+        max_long_partial_prefills=3 if small else 1,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, SamplingParams(**vars(params) | {"prompt_logprobs": 2}))
+    reference = transformers_prompt_logprobs(model_dir, prompts)
+    for i, (output, prompt, want) in enumerate(zip(outputs, prompts, reference, strict=True)):
+        assert output.outputs[0].token_ids == expected[i], f"prompt {i} differs"
+        got = output.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for position in range(1, len(prompt)):
+            entry = want[position - 1]  # the logits before a token predict it
+            token = got[position][prompt[position]]
+            value = entry[prompt[position]].item()
+            assert token.logprob == pytest.approx(value, abs=1e-4)
+            # Its rank counts the tokens at least as likely (near-ties may fall either way).
+            assert (
+                int((entry > value + 1e-4).sum()) < token.rank <= int((entry >= value - 1e-4).sum())
+            )
+            top = sorted(lp.logprob for lp in got[position].values())[-2:]
+            assert top == pytest.approx(sorted(entry.topk(2).values.tolist()), abs=1e-4)
+    stats = llm.stats()
+    if small:
+        assert stats["num_preemptions"] > 0, "the small budget was meant to force preemption"
+    assert stats["prefix_cache_hits"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    # Without prompt_logprobs the same prompts hit the cache again.
+    llm.generate(prompts[2:5], params)
+    assert llm.stats()["prefix_cache_hits"] >= 96

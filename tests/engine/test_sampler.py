@@ -353,6 +353,7 @@ def test_allowed_token_ids_restrict_greedy_and_random_rows():
         ({"logit_bias": {5: float("nan")}}, "logit_bias values"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be non-negative"),
         ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]"),
         ({"allowed_token_ids": [3, -2]}, "allowed_token_ids must be non-negative"),
         (
             {"allowed_token_ids": [3], "structured_outputs": StructuredOutputsParams(regex="a")},

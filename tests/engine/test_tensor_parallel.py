@@ -43,26 +43,38 @@ CONSTRAINED = [
 ]
 
 
-def _generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list[list[int]], float]:
-    """Token ids of every prompt, twice (the second pass hits the prefix cache), and hits."""
+def _generate(
+    model_dir: Path, tensor_parallel_size: int
+) -> tuple[list[list[int]], float, list[list[tuple[int, float]]]]:
+    """Token ids of every prompt, twice (the second pass hits the prefix cache), hits, and
+    the long prompt's prompt logprobs (its chunks' logits, gathered over the ranks)."""
     with LLM(str(model_dir), tensor_parallel_size=tensor_parallel_size, **ENGINE) as llm:
         first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         hits_before = llm.stats()["prefix_cache_hits"]
         second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         hits = llm.stats()["prefix_cache_hits"] - hits_before
         constrained = llm.generate(PROMPTS[:2], CONSTRAINED)
+        scored = llm.generate([LONG_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))
     assert first == second
     assert json.loads(constrained[0].outputs[0].text).keys() == {"id", "ok"}
-    return first + [o.outputs[0].token_ids for o in constrained], hits
+    prompt_logprobs = [
+        [(lp.token_id, lp.logprob) for lp in entry.values()]
+        for entry in scored[0].prompt_logprobs[1:]
+    ]
+    return first + [o.outputs[0].token_ids for o in constrained], hits, prompt_logprobs
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_two_ranks_generate_the_tokens_of_one(model, request):
     model_dir = request.getfixturevalue(model)
-    one, hits_one = _generate(model_dir, 1)
-    two, hits_two = _generate(model_dir, 2)
+    one, hits_one, scored_one = _generate(model_dir, 1)
+    two, hits_two, scored_two = _generate(model_dir, 2)
     assert two == one
     assert hits_two == hits_one > 0
+    assert len(scored_two) == len(scored_one) > 64  # more than one chunk
+    for got, want in zip(scored_two, scored_one, strict=True):
+        assert got[0][0] == want[0][0]  # the prompt's token, then the top two
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-3)
 
 
 @pytest.mark.slow

@@ -129,6 +129,10 @@ def test_the_affinity_key_is_the_prompts_head_in_a_canonical_form():
         ("/v1/completions", {}, False),
         ("/v1/chat/completions", {"messages": []}, True),
         ("/v1/chat/completions", {"messages": [], "n": 4}, False),
+        # The prompt's logprobs come from computing it: the decode instance does it all.
+        ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, False),
+        ("/v1/completions", {"prompt": "a", "echo": True}, True),
+        ("/v1/completions", {"prompt": "a", "prompt_logprobs": 0}, False),
     ],
 )
 def test_only_single_prompts_with_one_choice_are_prefilled(path, body, expected):

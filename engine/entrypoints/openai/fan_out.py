@@ -160,6 +160,10 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # The prompt, for echo: its text (None when given as token ids), ids and logprobs.
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -176,6 +180,9 @@ class ChoiceState:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
         self.num_prompt_tokens = len(output.prompt_token_ids)
+        self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.num_cached_tokens = output.num_cached_tokens
         if output.kv_transfer_params is not None:
             self.kv_transfer_params = output.kv_transfer_params

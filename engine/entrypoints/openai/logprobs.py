@@ -9,6 +9,7 @@ from tidegate.engine.entrypoints.openai.responses import (
     ChatLogprobs,
     ChatLogprobToken,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
 )
 from tidegate.engine.outputs import Logprob
@@ -37,13 +38,26 @@ def _top(entry: dict[int, Logprob], num: int) -> list[Logprob]:
 def completion_logprobs(
     tokenizer: Tokenizer,
     token_ids: Sequence[int],
-    logprobs: Sequence[dict[int, Logprob]],
+    logprobs: Sequence[dict[int, Logprob] | None],
     num_top: int,
     text_offset: int = 0,
+    result: CompletionLogprobs | None = None,
 ) -> CompletionLogprobs:
-    """Legacy format; each top_logprobs dict also holds the sampled token (up to num_top + 1)."""
-    result = CompletionLogprobs()
+    """Legacy format; each top_logprobs dict also holds the sampled token (up to num_top + 1).
+
+    An entry of None (a prompt's first token, echoed) is listed with null logprobs. `result`
+    is extended when given (an echoed prompt's tokens, then the completion's).
+    """
+    result = result if result is not None else CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs, strict=False):
+        if entry is None:
+            token = _token_text(tokenizer, token_id, None)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            continue
         sampled = entry.get(token_id)
         token = _token_text(tokenizer, token_id, sampled)
         result.tokens.append(token)
@@ -83,3 +97,25 @@ def chat_logprobs(
             )
         )
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_entries(
+    logprobs: Sequence[dict[int, Logprob] | None], num_top: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: per prompt token its own entry and the num_top most likely."""
+    entries: list[dict[str, PromptLogprob] | None] = []
+    for position in logprobs:
+        if position is None:
+            entries.append(None)
+            continue
+        # The dict lists the prompt's token first, then the top k in rank order.
+        kept = list(position.values())[: num_top + 1]
+        entries.append(
+            {
+                str(lp.token_id): PromptLogprob(
+                    logprob=_value(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                )
+                for lp in kept
+            }
+        )
+    return entries

@@ -26,9 +26,15 @@ def needs_prefill(path: str, body: Mapping[str, Any]) -> bool:
     """Whether the request is one prompt with one completion, the shape P/D transfer serves.
 
     Anything else (n > 1, a batch of prompts, a body the engine will reject) goes to a decode
-    instance unchanged, which computes its prompts itself or says what is wrong.
+    instance unchanged, which computes its prompts itself or says what is wrong. So does a
+    request for its prompt's logprobs (echo with logprobs, or prompt_logprobs): they come from
+    computing the prompt, which a pull of its KV skips.
     """
     if body.get("n", 1) not in (1, None):
+        return False
+    if body.get("prompt_logprobs") is not None or (
+        body.get("echo") and body.get("logprobs") is not None
+    ):
         return False
     if path == CHAT_PATH:
         return isinstance(body.get("messages"), list)

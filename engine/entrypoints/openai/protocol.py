@@ -127,7 +127,9 @@ class SamplingRequest(ConstrainedRequest):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Engine parameters for one choice (n = 1); raises ValueError for bad values."""
         given = {
             name: getattr(self, name)
@@ -138,6 +140,7 @@ class SamplingRequest(ConstrainedRequest):
             n=1,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured_outputs=self.output_constraint(),
             **given,
         )
@@ -169,7 +172,10 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] | None
     max_tokens: int | None = 16  # OpenAI's default; null means up to the context limit
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # The prompt before the completion, in the text and (with logprobs) the logprobs.
     echo: bool | None = False
+    # vLLM's field: the top logprobs of each prompt token, in the choice's prompt_logprobs.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -179,13 +185,6 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
         return "" if prompt is None else _check_prompt(prompt)
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise _unsupported("echo")
-        return echo
 
     @field_validator("suffix")
     @classmethod
@@ -201,6 +200,13 @@ class CompletionRequest(SamplingRequest):
         if best_of is not None and n is not None and best_of != n:
             raise _unsupported("best_of", f" (other than equal to n; got {best_of}, n is {n})")
         return best_of
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the engine computes: prompt_logprobs, and echo's
+        logprobs (the prompt's tokens listed before the completion's)."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((k for k in wanted if k is not None), default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch, each a string or a token-id list."""

@@ -21,12 +21,16 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     stream_chunks,
     usage,
 )
-from tidegate.engine.entrypoints.openai.logprobs import completion_logprobs
+from tidegate.engine.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    prompt_logprobs_entries,
+)
 from tidegate.engine.entrypoints.openai.protocol import CompletionRequest
 from tidegate.engine.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
 from tidegate.engine.messages import LoRARequest
@@ -48,7 +52,11 @@ class CompletionServing:
     ) -> Response:
         """Validate every prompt x choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("cmpl", http_request)
-        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+        params = body.sampling_params(
+            max_tokens=body.max_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.num_prompt_logprobs,
+        )
         subs = build_sub_requests(
             self.engine,
             engine_id,
@@ -73,10 +81,11 @@ class CompletionServing:
         choices = [
             CompletionChoice(
                 index=index,
-                text=state.text,
-                logprobs=self._logprobs(body, state.token_ids, state.logprobs, 0),
+                text=self._echo(body, state) + state.text,
+                logprobs=self._logprobs(body, state.token_ids, state.logprobs, state),
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
+                prompt_logprobs=self._prompt_logprobs(body, state.prompt_logprobs),
             )
             for index, state in enumerate(states)
         ]
@@ -89,18 +98,46 @@ class CompletionServing:
         )
         return JSONResponse(response.model_dump())
 
+    def _echo(self, body: CompletionRequest, prompt: ChoiceState | RequestOutput) -> str:
+        """The prompt's text when echo asks for it: as given, or decoded from its ids."""
+        if not body.echo:
+            return ""
+        if prompt.prompt is not None:
+            return prompt.prompt
+        return self.engine.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
+
     def _logprobs(
         self,
         body: CompletionRequest,
         token_ids: Sequence[int],
         logprobs: Sequence[dict[int, Logprob]],
-        text_offset: int,
+        echoed: ChoiceState | RequestOutput | None = None,
+        text_offset: int = 0,
     ) -> CompletionLogprobs | None:
+        """The tokens' logprobs; with echo, those of `echoed`'s prompt tokens first."""
         if body.logprobs is None:
             return None
+        tokenizer = self.engine.tokenizer
+        result = None
+        if body.echo and echoed is not None:
+            prompt_ids = echoed.prompt_token_ids
+            # The first prompt token has none (nothing predicts it): listed with null.
+            prompt_logprobs = echoed.prompt_logprobs or [None] * len(prompt_ids)
+            result = completion_logprobs(
+                tokenizer, prompt_ids, prompt_logprobs, body.logprobs, text_offset
+            )
+            text_offset += sum(len(token) for token in result.tokens)
         return completion_logprobs(
-            self.engine.tokenizer, token_ids, logprobs, body.logprobs, text_offset
+            tokenizer, token_ids, logprobs, body.logprobs, text_offset, result
         )
+
+    @staticmethod
+    def _prompt_logprobs(
+        body: CompletionRequest, logprobs: Sequence[dict[int, Logprob] | None] | None
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        if body.prompt_logprobs is None or logprobs is None:
+            return None
+        return prompt_logprobs_entries(logprobs, body.prompt_logprobs)
 
     def _stream(
         self,
@@ -111,9 +148,11 @@ class CompletionServing:
     ) -> AsyncIterator[list[CompletionResponse]]:
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
+        echo_pending = [bool(body.echo)] * num_choices  # echo prepends the prompt to a
+        # choice's first chunk
 
         def chunk(index: int, output: RequestOutput) -> list[CompletionResponse]:
-            made = self._chunk(body, header, index, output, text_offsets)
+            made = self._chunk(body, header, index, output, text_offsets, echo_pending)
             return [made] if made is not None else []
 
         def usage_chunk() -> CompletionResponse:
@@ -128,6 +167,7 @@ class CompletionServing:
         index: int,
         output: RequestOutput,
         text_offsets: list[int],
+        echo_pending: list[bool],
     ) -> CompletionResponse | None:
         """One delta as a chunk; None for a delta of no token (nothing happened).
 
@@ -138,14 +178,19 @@ class CompletionServing:
         delta = output.outputs[0]
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return None
-        logprobs = self._logprobs(body, delta.token_ids, delta.logprobs or [], text_offsets[index])
+        echoed = output if echo_pending[index] else None
+        echo_pending[index] = False
+        logprobs = self._logprobs(
+            body, delta.token_ids, delta.logprobs or [], echoed, text_offsets[index]
+        )
         if logprobs is not None:
             text_offsets[index] += sum(len(token) for token in logprobs.tokens)
         choice = CompletionChoice(
             index=index,
-            text=delta.text,
+            text=(self._echo(body, output) if echoed else "") + delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(body, output.prompt_logprobs),
         )
         return header.model_copy(update={"choices": [choice]})

@@ -109,6 +109,7 @@ class FakeEngine:
                 ],
                 finished=last,
                 num_cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
+                prompt_logprobs=self._prompt_logprobs(request) if step == 0 else None,
             )
 
     def _script_ids(self, request: EngineCoreRequest) -> list[int]:
@@ -126,6 +127,22 @@ class FakeEngine:
             other = 100 + j if 100 + j != token_id else 200 + j
             entry[other] = Logprob(other, -2.0 - j, j + 2, decode([other]))
         return [entry]
+
+    def _prompt_logprobs(
+        self, request: EngineCoreRequest
+    ) -> list[dict[int, Logprob] | None] | None:
+        """Position i's prompt token at -1 - i / 10 (rank 2), under token 300 + i (rank 1)."""
+        num = request.sampling_params.prompt_logprobs
+        if num is None:
+            return None
+        decode = self.tokenizer.decode
+        entries: list[dict[int, Logprob] | None] = [None]
+        for i, token_id in enumerate(request.prompt_token_ids[1:], start=1):
+            entry = {token_id: Logprob(token_id, -1.0 - i / 10, 2, decode([token_id]))}
+            if num:
+                entry[300 + i] = Logprob(300 + i, -0.5, 1, decode([300 + i]))
+            entries.append(entry)
+        return entries
 
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)

@@ -215,7 +215,8 @@ def completion_fields(
     optional = {
         **sampling_fields(),
         "logprobs": field(st.integers(0, 5), 20, 21, -1),
-        "echo": field(st.just(False), True),
+        "echo": field(st.booleans()),
+        "prompt_logprobs": field(st.integers(0, 3), 20, 21, -1, *HUGE),
         "suffix": field(st.just(""), "x"),
         "best_of": field(st.none(), 0, 1, 2),  # must equal n
     }

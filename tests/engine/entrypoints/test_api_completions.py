@@ -23,6 +23,7 @@ def test_text_prompt_returns_text_finish_reason_and_usage(api, engine):
         "logprobs": None,
         "finish_reason": "length",
         "stop_reason": None,
+        "prompt_logprobs": None,  # vLLM's field, set when prompt_logprobs asks
     }
     prompt_tokens = len(engine.tokenizer.encode("the cat"))
     assert body["usage"] == {
@@ -243,3 +244,74 @@ def test_streamed_logprobs_continue_the_text_offsets(api, engine):
     offsets = [o for e in events[:-1] for o in e["choices"][0]["logprobs"]["text_offset"]]
     tokens = [engine.tokenizer.decode([t]) for t in engine.script_ids[:3]]
     assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+
+
+def test_echo_puts_the_prompt_before_the_completion(api, engine):
+    for prompt, text in (
+        ("the cat", "the cat"),
+        ([40, 41, 42], engine.tokenizer.decode([40, 41, 42])),
+    ):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True}
+        [choice] = api.post("/v1/completions", body).json()["choices"]
+        assert choice["text"] == text + script_prefix(engine, 3)
+        assert choice["logprobs"] is None and choice["prompt_logprobs"] is None
+    # Echo alone asks the engine for no logprobs.
+    assert [r.sampling_params.prompt_logprobs for r in engine.submitted] == [None, None]
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(api, engine):
+    # lm-evaluation-harness scores a text this way: echo, logprobs, one token.
+    body = {"model": MODEL, "prompt": [40, 41, 42], "max_tokens": 1, "echo": True, "logprobs": 1}
+    [choice] = api.post("/v1/completions", body).json()["choices"]
+    [request] = engine.submitted
+    assert request.sampling_params.prompt_logprobs == 1
+    logprobs = choice["logprobs"]
+    decode = engine.tokenizer.decode
+    tokens = [decode([t]) for t in [40, 41, 42, engine.script_ids[0]]]
+    assert logprobs["tokens"] == tokens
+    assert logprobs["token_logprobs"][:3] == [None, -1.1, -1.2]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {decode([301]): -0.5, tokens[1]: -1.1}
+    assert logprobs["text_offset"] == [
+        0,
+        len(tokens[0]),
+        len(tokens[0] + tokens[1]),
+        len("".join(tokens[:3])),
+    ]
+
+
+def test_echo_streams_the_prompt_in_each_choices_first_chunk(api, engine):
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 3, "echo": True, "n": 2}
+    whole = api.post("/v1/completions", body).json()["choices"]
+    events = parse_sse(api.post("/v1/completions", {**body, "logprobs": 0, "stream": True}))
+    for index in (0, 1):
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert chunks[0]["text"].startswith("the cat")
+        assert not any(c["text"].startswith("the cat") for c in chunks[1:])
+        assert "".join(c["text"] for c in chunks) == whole[index]["text"]
+        # The prompt's tokens and the completion's, offsets running on across the chunks.
+        tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        assert len(tokens) == len(engine.submitted[-1].prompt_token_ids) + 3
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_prompt_logprobs_come_in_vllms_format(api, engine):
+    body = {"model": MODEL, "prompt": [40, 41, 42], "max_tokens": 2, "prompt_logprobs": 1}
+    [choice] = api.post("/v1/completions", body).json()["choices"]
+    assert choice["text"] == script_prefix(engine, 2)  # no echo: the completion alone
+    decode = engine.tokenizer.decode
+    assert choice["prompt_logprobs"] == [
+        None,
+        {
+            "41": {"logprob": -1.1, "rank": 2, "decoded_token": decode([41])},
+            "301": {"logprob": -0.5, "rank": 1, "decoded_token": decode([301])},
+        },
+        {
+            "42": {"logprob": -1.2, "rank": 2, "decoded_token": decode([42])},
+            "302": {"logprob": -0.5, "rank": 1, "decoded_token": decode([302])},
+        },
+    ]
+    # Echo with logprobs and prompt_logprobs: the engine computes the larger number.
+    api.post("/v1/completions", {**body, "echo": True, "logprobs": 3})
+    assert [r.sampling_params.prompt_logprobs for r in engine.submitted] == [1, 3]

@@ -8,6 +8,8 @@ import pytest
 
 from tests.engine.entrypoints.fake_engine import MAX_MODEL_LEN, MODEL, SyncAPI, parse_sse
 from tidegate.engine.entrypoints.openai.api_server import build_app
+from tidegate.engine.kv_transfer.params import parse_kv_transfer_params
+from tidegate.engine.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -114,7 +116,6 @@ def test_one_bad_prompt_in_a_batch_submits_nothing(api, engine):
     [
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
-        ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
@@ -298,3 +299,16 @@ def test_probes_need_no_api_key(keyed):
     assert keyed.get("/health").status_code == 200
     assert keyed.get("/metrics").status_code == 200
     assert keyed.get("/version").status_code == 200
+
+
+def test_prompt_logprobs_out_of_range_or_with_a_kv_transfer_are_400(api, engine):
+    body = {"model": MODEL, "prompt": "a", "prompt_logprobs": 21}
+    assert (
+        "less than or equal to 20"
+        in error_of(api.post("/v1/completions", body), 400, param="prompt_logprobs")["message"]
+    )
+    # A producer or consumer server refuses them: the prompt is computed on one instance only.
+    remote = parse_kv_transfer_params({"do_remote_decode": True})
+    params = SamplingParams(prompt_logprobs=1)
+    with pytest.raises(ValueError, match="cannot be combined with kv_transfer_params"):
+        engine.input_processor.process("r", [5, 6], params, kv_transfer=remote)
