@@ -189,6 +189,12 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_does(client, offline):
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
     expected = [want.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
     assert choice.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    # With no tokens (OpenAI's legacy scoring), the prompt alone and the same logprobs.
+    scored = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1
+    )
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs[:-1]
     # Streamed, the prompt comes in the first chunk and the text adds up to the same.
     stream = client.completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True

@@ -202,6 +202,12 @@ class CompletionRequest(SamplingRequest):
         return best_of
 
     @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0, OpenAI's legacy way to score a text: the prompt alone comes
+        back (the engine samples one token, which is dropped)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
     def num_prompt_logprobs(self) -> int | None:
         """Top logprobs per prompt token the engine computes: prompt_logprobs, and echo's
         logprobs (the prompt's tokens listed before the completion's)."""

@@ -31,10 +31,11 @@ from tidegate.engine.entrypoints.openai.responses import (
     CompletionLogprobs,
     CompletionResponse,
     PromptLogprob,
+    Usage,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
 from tidegate.engine.messages import LoRARequest
-from tidegate.engine.outputs import Logprob, RequestOutput
+from tidegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class CompletionServing:
@@ -53,7 +54,7 @@ class CompletionServing:
         """Validate every prompt x choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("cmpl", http_request)
         params = body.sampling_params(
-            max_tokens=body.max_tokens,
+            max_tokens=1 if body.echo_only else body.max_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.num_prompt_logprobs,
         )
@@ -78,6 +79,10 @@ class CompletionServing:
             return EventStreamResponse(sse_events(chunks), on_close=merged.aclose)
 
         states = await cancel_on_disconnect(http_request, run_to_completion(self.engine, subs))
+        if body.echo_only:
+            for state in states:
+                state.text_parts, state.token_ids, state.logprobs = [], [], []
+                state.finish_reason, state.stop_reason = "length", None
         choices = [
             CompletionChoice(
                 index=index,
@@ -92,7 +97,7 @@ class CompletionServing:
         response = header.model_copy(
             update={
                 "choices": choices,
-                "usage": usage(states, body.n),
+                "usage": self._usage(body, states),
                 "kv_transfer_params": states[0].kv_transfer_params,
             }
         )
@@ -132,6 +137,16 @@ class CompletionServing:
         )
 
     @staticmethod
+    def _usage(body: CompletionRequest, states: Sequence[ChoiceState]) -> Usage:
+        counts = usage(states, body.n)
+        if not body.echo_only:
+            return counts
+        # The token sampled to end each prompt was never returned.
+        return counts.model_copy(
+            update={"completion_tokens": 0, "total_tokens": counts.prompt_tokens}
+        )
+
+    @staticmethod
     def _prompt_logprobs(
         body: CompletionRequest, logprobs: Sequence[dict[int, Logprob] | None] | None
     ) -> list[dict[str, PromptLogprob] | None] | None:
@@ -156,7 +171,7 @@ class CompletionServing:
             return [made] if made is not None else []
 
         def usage_chunk() -> CompletionResponse:
-            return header.model_copy(update={"usage": usage(states, body.n)})
+            return header.model_copy(update={"usage": self._usage(body, states)})
 
         return stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
 
@@ -176,6 +191,9 @@ class CompletionServing:
         it: clients and benchmarks count chunks as tokens and time the gaps between them.
         """
         delta = output.outputs[0]
+        if body.echo_only:  # the prompt alone: its one sampled token is dropped
+            done = "length" if delta.finish_reason is not None else None
+            delta = CompletionOutput(index=0, text="", token_ids=[], finish_reason=done)
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return None
         echoed = output if echo_pending[index] else None

@@ -315,3 +315,30 @@ def test_prompt_logprobs_come_in_vllms_format(api, engine):
     # Echo with logprobs and prompt_logprobs: the engine computes the larger number.
     api.post("/v1/completions", {**body, "echo": True, "logprobs": 3})
     assert [r.sampling_params.prompt_logprobs for r in engine.submitted] == [1, 3]
+
+
+def test_echo_with_no_tokens_returns_the_prompt_alone(api, engine):
+    # OpenAI's legacy scoring: max_tokens 0 with echo; the engine's one token is dropped.
+    body = {"model": MODEL, "prompt": [40, 41, 42], "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = api.post("/v1/completions", body).json()
+    [choice] = response["choices"]
+    decode = engine.tokenizer.decode
+    assert choice["text"] == decode([40, 41, 42]) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [decode([t]) for t in [40, 41, 42]]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.1, -1.2]
+    assert response["usage"]["completion_tokens"] == 0
+    assert response["usage"]["total_tokens"] == response["usage"]["prompt_tokens"] == 3
+    assert engine.submitted[0].sampling_params.max_tokens == 1
+    events = parse_sse(
+        api.post(
+            "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
+    )
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert events[-2]["usage"]["completion_tokens"] == 0
+    # Without echo, no tokens is no request.
+    error = api.post("/v1/completions", {**body, "echo": False}).json()["error"]
+    assert "max_tokens must be at least 1" in error["message"]
