@@ -61,6 +61,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        # Token id -> its text alone, as logprobs show candidates (a prompt's logprobs may
+        # name tens of thousands of them in one output).
+        self._token_texts: dict[int, str] = {}
 
     def add_request(
         self, request: EngineCoreRequest, prompt: str | None, delta: bool = False
@@ -173,6 +176,14 @@ class OutputProcessor:
         completion.logprobs.extend(self._entries(lists))
         completion.cumulative_logprob += sum(values[0] for values in lists.logprobs)
 
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
+
     def _entries(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         """One dict a position: its token (sampled, or the prompt's) first, then the top k."""
         entries = []
@@ -187,7 +198,7 @@ class OutputProcessor:
                     token_id=token_id,
                     logprob=value,
                     rank=rank if position == 0 else position,
-                    decoded_token=self.tokenizer.decode([token_id], skip_special_tokens=False),
+                    decoded_token=self._token_text(token_id),
                 )
             entries.append(entry)
         return entries

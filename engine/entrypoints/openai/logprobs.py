@@ -112,9 +112,11 @@ def prompt_logprobs_entries(
         kept = list(position.values())[: num_top + 1]
         entries.append(
             {
-                str(lp.token_id): PromptLogprob(
-                    logprob=_value(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
-                )
+                str(lp.token_id): {
+                    "logprob": _value(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
                 for lp in kept
             }
         )

