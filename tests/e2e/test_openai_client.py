@@ -195,6 +195,16 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_does(client, offline):
     )
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
     assert scored.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs[:-1]
+    # vLLM's prompt_logprobs on a chat: the rendered prompt's, once for the response.
+    messages = [{"role": "user", "content": prompt}]
+    want = offline.chat(messages, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    ids = want.prompt_token_ids
+    got = [chat.prompt_logprobs[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    expected = [want.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert chat.prompt_logprobs[0] is None and got == pytest.approx(expected, abs=1e-4)
     # Streamed, the prompt comes in the first chunk and the text adds up to the same.
     stream = client.completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True

@@ -100,9 +100,12 @@ def chat_logprobs(
 
 
 def prompt_logprobs_entries(
-    logprobs: Sequence[dict[int, Logprob] | None], num_top: int
-) -> list[dict[str, PromptLogprob] | None]:
-    """vLLM's prompt_logprobs: per prompt token its own entry and the num_top most likely."""
+    logprobs: Sequence[dict[int, Logprob] | None] | None, num_top: int | None
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token its own entry and the num_top most likely;
+    None unless the request asked (num_top) and they came (logprobs)."""
+    if num_top is None or logprobs is None:
+        return None
     entries: list[dict[str, PromptLogprob] | None] = []
     for position in logprobs:
         if position is None:

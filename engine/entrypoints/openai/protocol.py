@@ -281,6 +281,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's field: the top logprobs of each prompt token, in the response's prompt_logprobs.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = None
     # None: "auto" with tools, "none" without (as OpenAI).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -289,6 +291,14 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Any = None  # deprecated by OpenAI; refused, naming tool_choice
 
     _null_logprobs = null_is_default("logprobs")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            # As vLLM: a chat stream's chunks have no place for them.
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

@@ -129,6 +129,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     kv_transfer_params: dict[str, Any] | None = None
+    # Asked for by prompt_logprobs (vLLM's field): one list, the choices share the prompt.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaFunctionCall(_PresentOnly):

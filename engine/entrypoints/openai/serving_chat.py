@@ -23,7 +23,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
     stream_chunks,
     usage,
 )
-from tidegate.engine.entrypoints.openai.logprobs import chat_logprobs
+from tidegate.engine.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from tidegate.engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tidegate.engine.entrypoints.openai.responses import (
     AssistantMessage,
@@ -103,7 +103,9 @@ class ChatServing:
             self.engine.tokenizer, body.messages, body.template_tools()
         )
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens=body.output_limit, logprobs=num_top)
+        params = body.sampling_params(
+            max_tokens=body.output_limit, logprobs=num_top, prompt_logprobs=body.prompt_logprobs
+        )
         subs = build_sub_requests(
             self.engine,
             engine_id,
@@ -151,6 +153,9 @@ class ChatServing:
             choices=choices,
             usage=usage(states, body.n),
             kv_transfer_params=states[0].kv_transfer_params,
+            prompt_logprobs=prompt_logprobs_entries(
+                states[0].prompt_logprobs, body.prompt_logprobs
+            ),
         )
         return JSONResponse(response.model_dump())
 

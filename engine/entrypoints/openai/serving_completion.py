@@ -30,7 +30,6 @@ from tidegate.engine.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    PromptLogprob,
     Usage,
 )
 from tidegate.engine.entrypoints.openai.sse import EventStreamResponse, sse_events
@@ -90,7 +89,9 @@ class CompletionServing:
                 logprobs=self._logprobs(body, state.token_ids, state.logprobs, state),
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
-                prompt_logprobs=self._prompt_logprobs(body, state.prompt_logprobs),
+                prompt_logprobs=prompt_logprobs_entries(
+                    state.prompt_logprobs, body.prompt_logprobs
+                ),
             )
             for index, state in enumerate(states)
         ]
@@ -145,14 +146,6 @@ class CompletionServing:
         return counts.model_copy(
             update={"completion_tokens": 0, "total_tokens": counts.prompt_tokens}
         )
-
-    @staticmethod
-    def _prompt_logprobs(
-        body: CompletionRequest, logprobs: Sequence[dict[int, Logprob] | None] | None
-    ) -> list[dict[str, PromptLogprob] | None] | None:
-        if body.prompt_logprobs is None or logprobs is None:
-            return None
-        return prompt_logprobs_entries(logprobs, body.prompt_logprobs)
 
     def _stream(
         self,
@@ -209,6 +202,6 @@ class CompletionServing:
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
-            prompt_logprobs=self._prompt_logprobs(body, output.prompt_logprobs),
+            prompt_logprobs=prompt_logprobs_entries(output.prompt_logprobs, body.prompt_logprobs),
         )
         return header.model_copy(update={"choices": [choice]})

@@ -162,3 +162,27 @@ def test_streamed_logprobs(api, engine):
 def test_plain_text_response_format_is_accepted(api):
     body = {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "text"}}
     assert api.post("/v1/chat/completions", body).status_code == 200
+
+
+def test_prompt_logprobs_come_once_for_all_choices_and_not_streamed(api, engine):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "n": 2, "prompt_logprobs": 0}
+    reply = api.post("/v1/chat/completions", body).json()
+    ids = chat_ids(engine, MESSAGES)
+    logprobs = reply["prompt_logprobs"]
+    assert len(logprobs) == len(ids) and logprobs[0] is None
+    # The scripted engine's prompt token i has logprob -1 - i / 10 (and no others at k = 0).
+    assert logprobs[1] == {
+        str(ids[1]): {
+            "logprob": -1.1,
+            "rank": 2,
+            "decoded_token": engine.tokenizer.decode([ids[1]]),
+        }
+    }
+    assert [r.sampling_params.prompt_logprobs for r in engine.submitted] == [0, 0]
+    plain = api.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}).json()
+    assert plain["prompt_logprobs"] is None
+    # A chat stream has no place for them: refused, as vLLM does.
+    response = api.post("/v1/chat/completions", {**body, "stream": True})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt_logprobs" and "stream" in error["message"]
