@@ -36,11 +36,12 @@ ENGINE = {
     "num_gpu_blocks": 128,
     "dtype": "float32",
 }
-# Stops, seeds and logprobs: all decided on the last stage, where the sampler runs (n > 1 is
-# fanned out by the API server, before any stage).
+# Stops, seeds, logprobs and the long prompt's prompt logprobs (over its chunks): all decided
+# on the last stage, where the sampler runs (n > 1 is fanned out by the API server, before
+# any stage).
 MIXED = [
     SamplingParams(temperature=0, max_tokens=40, stop=["e"], include_stop_str_in_output=True),
-    SamplingParams(temperature=0.9, seed=7, max_tokens=20),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=20, prompt_logprobs=1),
     SamplingParams(temperature=0.7, seed=11, max_tokens=30, logprobs=2),
     SamplingParams(temperature=0, max_tokens=3),
     SamplingParams(temperature=1.0, seed=5, max_tokens=25, top_k=20),
@@ -53,8 +54,9 @@ class _Logprobs:
     ranks of the candidates are exact)."""
 
     def __init__(self, steps: list[dict] | None) -> None:
-        self.steps = [
-            {token: (lp.rank, lp.logprob) for token, lp in step.items()} for step in steps or []
+        self.steps = [  # a prompt's first position has none
+            {token: (lp.rank, lp.logprob) for token, lp in (step or {}).items()}
+            for step in steps or []
         ]
 
     def __eq__(self, other: object) -> bool:
@@ -74,7 +76,10 @@ class _Logprobs:
 
 def _outputs(llm: LLM, prompts: list, params: list[SamplingParams] | SamplingParams) -> list:
     return [
-        [(c.token_ids, c.finish_reason, _Logprobs(c.logprobs)) for c in o.outputs]
+        [
+            (c.token_ids, c.finish_reason, _Logprobs(c.logprobs), _Logprobs(o.prompt_logprobs))
+            for c in o.outputs
+        ]
         for o in llm.generate(prompts, params)
     ]
 
@@ -97,6 +102,8 @@ def test_two_stages_generate_the_tokens_of_one(tiny_llama_dir, one_stage, micro_
         tiny_llama_dir, pipeline_parallel_size=2, pipeline_micro_batching=micro_batching
     )
     assert two == one_stage
+    [(_, _, _, prompt_logprobs)] = one_stage[len(PROMPTS) + 1]  # the long prompt's, chunked
+    assert len(prompt_logprobs.steps) > ENGINE["max_num_batched_tokens"]
 
 
 def test_two_stages_with_tied_embeddings_and_biases(tiny_qwen2_dir):
