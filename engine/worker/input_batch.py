@@ -31,12 +31,6 @@ class CachedRequestState:
     # prompt_logprobs: per prompt token from the second on, as the chunks compute them, (ids:
     # the token then the top k, logprobs, rank); sent with the first sampled token, then None.
     prompt_logprobs: tuple[list[list[int]], list[list[float]], list[int]] | None = None
-    prompt_logprobs_sent: bool = False
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """True until the request's prompt logprobs have gone out with its first token."""
-        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
 
 class PersistentBatch:

@@ -114,7 +114,7 @@ class ModelRunner:
         # Key/value heads this rank caches: all, its share, or one replicated head.
         self.num_kv_heads = kv_head_shard(model_config.num_key_value_heads)[1]
         self.requests: dict[str, CachedRequestState] = {}
-        # Held requests whose prompt logprobs have not gone out yet (a step checks it for free).
+        # Held requests whose prompt logprobs have not gone out yet with their first token.
         self.prompt_logprobs_pending: set[str] = set()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
@@ -302,11 +302,11 @@ class ModelRunner:
             for row, state, token in zip(step.sampling_rows, sampling, tokens, strict=True):
                 state.output_token_ids.append(token)
                 sampled[row] = [token]
-                if self.prompt_logprobs_pending and state.wants_prompt_logprobs:
+                if state.req_id in self.prompt_logprobs_pending:
                     prompt_logprobs[state.req_id] = LogprobsLists(
                         *(state.prompt_logprobs or ([], [], []))
                     )
-                    state.prompt_logprobs, state.prompt_logprobs_sent = None, True
+                    state.prompt_logprobs = None
                     self.prompt_logprobs_pending.discard(state.req_id)
             if output is not None and output.logprobs is not None:
                 logprobs = self._logprobs_lists(output, sampling)
@@ -335,7 +335,7 @@ class ModelRunner:
         """
         starts = np.cumsum([0, *num_scheduled])
         for i, state in enumerate(states):
-            if not state.wants_prompt_logprobs:
+            if state.req_id not in self.prompt_logprobs_pending:
                 continue
             ids, values, ranks = state.prompt_logprobs or ([], [], [])
             begin = int(self.batch.num_computed_tokens[rows[i]])  # this chunk's first position

@@ -286,30 +286,34 @@ def sample_categorical(probs: torch.Tensor, generators: dict[int, torch.Generato
     return sampled.clamp_max_(probs.shape[1] - 1)  # a row of NaN finds no token
 
 
+def _ranked(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token a row (sampled, or a prompt's next): ids and logprobs of the token then the
+    top num_top, and the token's rank."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    # Rank counts the tokens at least as likely as the given one, itself included.
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+    return ids, torch.cat([chosen, top_logprobs], dim=1), ranks
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[list[list[int]], list[list[float]], list[int]]:
     """For rows of float32 logits and one given token a row (a prompt's next token): the
-    token's logprob, then the top num_top, and its rank, as `_fill_logprobs` gives them for
-    sampled tokens."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs >= chosen).sum(dim=-1)
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
-    values = torch.cat([chosen, top_logprobs], dim=1)
+    token's logprob, then the top num_top, and its rank, as sampled tokens get them."""
+    ids, values, ranks = _ranked(torch.log_softmax(logits, dim=-1), token_ids, num_top)
     return ids.tolist(), values.tolist(), ranks.tolist()
 
 
 def _fill_logprobs(
     output: SamplerOutput, logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int
 ) -> None:
-    sampled_logprob = logprobs.gather(1, sampled[:, None])
-    # Rank counts the tokens at least as likely as the sampled one, itself included.
-    ranks = (logprobs >= sampled_logprob).sum(dim=-1)
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    output.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1).cpu()
-    output.logprobs = torch.cat([sampled_logprob, top_logprobs], dim=1).cpu()
+    ids, values, ranks = _ranked(logprobs, sampled, num_top)
+    output.logprob_token_ids = ids.cpu()
+    output.logprobs = values.cpu()
     output.sampled_token_ranks = ranks.cpu()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -74,13 +75,11 @@ SCHEDULES = list(
 )
 
 
-@pytest.mark.parametrize(("caching", "threshold", "budget"), SCHEDULES)
-def test_greedy_tokens_identical_to_transformers(model_and_reference, caching, threshold, budget):
-    model_dir, prompts, expected = model_and_reference
-    small = budget == "small"
+def scheduled_llm(model_dir, caching: bool, threshold: int, small: bool) -> LLM:
+    """An engine on one of SCHEDULES: small is too few blocks and tokens (forces preemption)."""
     # With a per-request cap, several prompts in prefill at once is what fills a small cache.
     partial = 3 if small and threshold else 1
-    llm = LLM(
+    return LLM(
         model=str(model_dir),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
@@ -92,6 +91,13 @@ def test_greedy_tokens_identical_to_transformers(model_and_reference, caching, t
         max_num_partial_prefills=partial,
         max_long_partial_prefills=partial,
     )
+
+
+@pytest.mark.parametrize(("caching", "threshold", "budget"), SCHEDULES)
+def test_greedy_tokens_identical_to_transformers(model_and_reference, caching, threshold, budget):
+    model_dir, prompts, expected = model_and_reference
+    small = budget == "small"
+    llm = scheduled_llm(model_dir, caching, threshold, small)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outputs]
@@ -128,19 +134,9 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
     # each time, since a cache hit would skip the positions whose logprobs are asked for.
     model_dir, prompts, expected = model_and_reference
     small = budget == "small"
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        block_size=16,
-        long_prefill_token_threshold=threshold,
-        max_num_batched_tokens=48 if small else 2048,
-        num_gpu_blocks=36 if small else 512,
-        max_num_partial_prefills=3 if small else 1,
-        max_long_partial_prefills=3 if small else 1,
-    )
+    llm = scheduled_llm(model_dir, True, threshold, small)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, SamplingParams(**vars(params) | {"prompt_logprobs": 2}))
+    outputs = llm.generate(prompts, dataclasses.replace(params, prompt_logprobs=2))
     reference = transformers_prompt_logprobs(model_dir, prompts)
     for i, (output, prompt, want) in enumerate(zip(outputs, prompts, reference, strict=True)):
         assert output.outputs[0].token_ids == expected[i], f"prompt {i} differs"

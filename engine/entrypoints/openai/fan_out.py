@@ -157,10 +157,10 @@ class ChoiceState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
-    # The prompt, for echo: its text (None when given as token ids), ids and logprobs.
+    # The prompt (for usage, and echo): its text (None when given as token ids), ids and
+    # logprobs.
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -168,6 +168,10 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     def add(self, output: RequestOutput) -> None:
         """Fold in one delta output."""
@@ -179,7 +183,6 @@ class ChoiceState:
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
-        self.num_prompt_tokens = len(output.prompt_token_ids)
         self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs

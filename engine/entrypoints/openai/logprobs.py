@@ -50,24 +50,18 @@ def completion_logprobs(
     """
     result = result if result is not None else CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs, strict=False):
-        if entry is None:
-            token = _token_text(tokenizer, token_id, None)
-            result.tokens.append(token)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-            continue
-        sampled = entry.get(token_id)
+        sampled = entry.get(token_id) if entry is not None else None
         token = _token_text(tokenizer, token_id, sampled)
         result.tokens.append(token)
         result.token_logprobs.append(_value(sampled.logprob) if sampled is not None else None)
-        top = {
-            _token_text(tokenizer, lp.token_id, lp): _value(lp.logprob)
-            for lp in _top(entry, num_top)
-        }
-        if sampled is not None:
-            top.setdefault(token, _value(sampled.logprob))
+        top = None
+        if entry is not None:
+            top = {
+                _token_text(tokenizer, lp.token_id, lp): _value(lp.logprob)
+                for lp in _top(entry, num_top)
+            }
+            if sampled is not None:
+                top.setdefault(token, _value(sampled.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token)

@@ -156,8 +156,8 @@ class CompletionServing:
     ) -> AsyncIterator[list[CompletionResponse]]:
         states = [ChoiceState() for _ in range(num_choices)]
         text_offsets = [0] * num_choices
-        echo_pending = [bool(body.echo)] * num_choices  # echo prepends the prompt to a
-        # choice's first chunk
+        # Echo prepends the prompt to each choice's first chunk.
+        echo_pending = [bool(body.echo)] * num_choices
 
         def chunk(index: int, output: RequestOutput) -> list[CompletionResponse]:
             made = self._chunk(body, header, index, output, text_offsets, echo_pending)
