@@ -22,6 +22,7 @@ from tidegate.engine.worker.compilation import (
     MAX_CAPTURE_SIZE,
     ModelCompiler,
     capture_sizes,
+    configure_inductor,
     default_cache_dir,
     inductor_default_cache_dir,
     is_decode_only,
@@ -94,6 +95,23 @@ def test_batch_size_changes_do_not_recompile(engines):
     for n in range(1, 10):
         compiled.generate([tokens(100 * n + i, 1 + 5 * i) for i in range(n)], params)
     assert runner(compiled).compiler.num_graphs == warmed_up
+
+
+def test_inductor_finds_the_cpu_vector_isa_with_the_checkout_root_on_the_path():
+    # pytest puts the repository's root, which holds operator/, on sys.path. Inductor's ISA
+    # probe is a `python -c` child with sys.path as its PYTHONPATH: that child took our package
+    # for the standard library's `operator`, died, and every CPU kernel came out scalar.
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, x86_isa_checker
+    from torch._inductor.utils import python_subprocess_env
+
+    root = str(Path(__file__).resolve().parents[2])
+    assert (Path(root) / "operator" / "__init__.py").is_file() and root in sys.path
+    configure_inductor()
+    probe = [sys.executable, "-c", "import operator; operator.eq"]
+    child = subprocess.run(probe, env=python_subprocess_env(), capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    if x86_isa_checker():  # an x86 CPU with AVX2 or AVX-512, as CI's
+        assert pick_vec_isa(), "inductor found no vector ISA on a CPU that has one"
 
 
 def test_enforce_eager_is_level_0_and_contradictions_are_refused(tiny_llama_dir):
