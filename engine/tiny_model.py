@@ -1,4 +1,5 @@
-"""Write a deterministic random-weight Llama or Qwen2 model folder for tests and demos.
+"""Write a deterministic random-weight model folder for tests and demos: Llama, Qwen2, Qwen3,
+or the mixture-of-experts Qwen3-MoE and Mixtral.
 
 The folder is a normal Hugging Face model (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json), so transformers loads it
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +95,44 @@ SIZES: dict[str, dict[str, Any]] = {
         "dtype": "bfloat16",
     },
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+# What each architecture adds to the shape of SIZES, by size. Qwen3's heads are wider than
+# hidden_size / heads (as Qwen3's own: 128-wide heads on 1,024 hidden features in the 0.6B).
+# Qwen3-MoE's first layer stays dense (mlp_only_layers), so both kinds of layer are tested.
+_ARCH_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3": {"tiny": {"head_dim": 64}, "small": {"head_dim": 128}},
+    "qwen3_moe": {
+        "tiny": {
+            "head_dim": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+        },
+        "small": {
+            "head_dim": 64,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    },
+    # Mixtral's intermediate_size is each expert's.
+    "mixtral": {
+        "tiny": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 192},
+        "small": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 1024},
+    },
+}
 # Weights ~ N(0, (GAIN / sqrt(fan_in))^2): large enough that greedy picks win by clear logit
 # margins (float noise never flips them), small enough that generations do not collapse.
 GAIN = 2.0
@@ -157,18 +196,19 @@ def _config(
     dtype = shape.pop("dtype")
     # A tokenizer trained on a small corpus stops short of a large vocab; the rest are padding.
     shape["vocab_size"] = max(shape["vocab_size"], tokenizer_vocab)
+    shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    shape.update(_ARCH_SHAPES.get(arch, {}).get(size, {}))
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         **shape,
-        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_scaling": rope_scaling,
-        # Tiny Qwen2 exercises tied embeddings; Llama keeps a separate lm_head.
-        "tie_word_embeddings": arch == "qwen2",
+        # Tiny Qwen2 and Qwen3 exercise tied embeddings; the others keep a separate lm_head.
+        "tie_word_embeddings": arch in ("qwen2", "qwen3"),
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
@@ -178,6 +218,8 @@ def _config(
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    elif arch == "mixtral":
+        config.update(sliding_window=None)
     else:
         config.update(
             use_sliding_window=False,
@@ -192,7 +234,7 @@ def _random_weights(
 ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under Hugging Face names, drawn in a fixed order from `seed`."""
     generator = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    hidden = config["hidden_size"]
     q_size = config["num_attention_heads"] * config["head_dim"]
     kv_size = config["num_key_value_heads"] * config["head_dim"]
     dtype = getattr(torch, config["torch_dtype"])
@@ -203,8 +245,8 @@ def _random_weights(
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return normal(out_features, in_features, std=GAIN / math.sqrt(in_features))
 
-    def norm() -> torch.Tensor:
-        return (1.0 + normal(hidden, std=0.1)).to(dtype)
+    def norm(size: int = hidden) -> torch.Tensor:
+        return (1.0 + normal(size, std=0.1)).to(dtype)
 
     weights = {"model.embed_tokens.weight": linear(config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -214,11 +256,12 @@ def _random_weights(
             weights[f"{p}self_attn.{name}_proj.weight"] = linear(out_features, hidden)
             if config["model_type"] == "qwen2":
                 weights[f"{p}self_attn.{name}_proj.bias"] = normal(out_features, std=0.1)
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
+            weights[p + "self_attn.q_norm.weight"] = norm(config["head_dim"])
+            weights[p + "self_attn.k_norm.weight"] = norm(config["head_dim"])
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
         weights[p + "post_attention_layernorm.weight"] = norm()
-        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        weights.update(_mlp_weights(config, i, linear))
     weights["model.norm.weight"] = norm()
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = linear(config["vocab_size"], hidden)
@@ -226,6 +269,44 @@ def _random_weights(
     # token, so greedy decoding never produces them.
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     head[tokenizer_vocab:] = 0
+    return weights
+
+
+def _mlp_weights(
+    config: dict[str, Any], layer: int, linear: Callable[[int, int], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One layer's feed-forward under its checkpoint names: a SwiGLU MLP, or a router and
+    experts (Qwen3-MoE's `mlp.experts.<e>.gate_proj`, Mixtral's `block_sparse_moe.experts.<e>.w1`)."""
+    hidden, kind = config["hidden_size"], config["model_type"]
+    p = f"model.layers.{layer}."
+    sparse = kind == "mixtral" or (
+        kind == "qwen3_moe"
+        and layer not in config["mlp_only_layers"]
+        and (layer + 1) % config["decoder_sparse_step"] == 0
+    )
+    if not sparse:
+        inter = config["intermediate_size"]
+        return {
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
+        }
+    if kind == "mixtral":
+        block, experts, inter = (
+            "block_sparse_moe",
+            config["num_local_experts"],
+            config["intermediate_size"],
+        )
+        names = ("w1", "w3", "w2")
+    else:
+        block, experts, inter = "mlp", config["num_experts"], config["moe_intermediate_size"]
+        names = ("gate_proj", "up_proj", "down_proj")
+    weights = {f"{p}{block}.gate.weight": linear(experts, hidden)}
+    for e in range(experts):
+        gate, up, down = (f"{p}{block}.experts.{e}.{name}.weight" for name in names)
+        weights[gate] = linear(inter, hidden)
+        weights[up] = linear(inter, hidden)
+        weights[down] = linear(hidden, inter)
     return weights
 
 

@@ -25,7 +25,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # classified without anyone remembering to mark it: under tests/e2e/ or in a *_e2e.py module,
 # e2e; asking for a model folder (as an argument, or as the parameter a test hands to
 # request.getfixturevalue), model.
-MODEL_FIXTURES = frozenset({"tiny_llama_dir", "tiny_qwen2_dir"})
+MODEL_FIXTURES = frozenset(
+    {
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_qwen3_moe_dir",
+        "tiny_mixtral_dir",
+    }
+)
 # Modules elsewhere whose tests start servers, engines or commands in processes of their own.
 STARTS_PROCESSES = frozenset(
     {
@@ -135,3 +143,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 folder (q/k/v biases, tied embeddings), seed 0."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 folder (q/k norms, heads wider than hidden / heads, tied embeddings)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE folder: layer 0 dense, layer 1 eight experts, two per token."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mixtral folder: four experts per layer, two per token (block_sparse_moe names)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral", size="tiny")

@@ -29,6 +29,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target: every linear of the decoder layers.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # a dense layer's only
 _SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 # layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>[.<adapter name>].weight
 _TENSOR_NAME = re.compile(
@@ -190,6 +191,12 @@ def _check_tensors(
         if layer >= config.num_hidden_layers:
             raise LoRAError(
                 f"{name!r} adapts layer {layer}; the base model has {config.num_hidden_layers}"
+            )
+        if proj in MLP_TARGETS and config.is_sparse_layer(layer):
+            raise LoRAError(
+                f"{name!r} adapts {proj} of layer {layer}, a mixture-of-experts layer: its "
+                "experts are not adapted (adapters may target attention, and the MLPs of "
+                "dense layers)"
             )
         if meta.get("dtype") not in _SAFETENSORS_DTYPES:
             raise LoRAError(f"{name!r} has dtype {meta.get('dtype')!r}; expected F32, F16 or BF16")

@@ -50,8 +50,9 @@ _ROW_PARALLEL = {"o_proj": "o_proj", "down_proj": "down_proj"}
 class LoRAStack(nn.Module):
     """The adapter slots of one linear (ops.LoRAWeights: A [S, W, K], B [N, S x W])."""
 
-    def __init__(self, linear: nn.Module, name: str, slots: int, rank: int) -> None:
+    def __init__(self, linear: nn.Module, name: str, layer: int, slots: int, rank: int) -> None:
         super().__init__()
+        self.layer = layer  # the decoder layer (checkpoint numbering) of the linear
         self.rank = rank
         self.row_parallel = name in _ROW_PARALLEL
         self.shards = _FUSED_SHARDS.get(name, ((None, _ROW_PARALLEL.get(name)),))
@@ -121,7 +122,7 @@ def attach_lora_stacks(model: nn.Module, slots: int, rank: int) -> list[LoRAStac
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in parent.named_children():
                 if name in _FUSED_SHARDS or name in _ROW_PARALLEL:
-                    linear.lora = LoRAStack(linear, name, slots, rank)
+                    linear.lora = LoRAStack(linear, name, index, slots, rank)
                     stacks.append(linear.lora)
     return stacks
 
@@ -143,8 +144,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.stacks = attach_lora_stacks(model, max_loras, max_lora_rank)
-        self.layers = model.model.stage_layers  # the adapter layers the stacks belong to
-        # Per layer, the stacks in model order: a loaded adapter is a list in the same order.
+        # A loaded adapter is a list of (A, B) in the order of the stacks.
         self.slot_ids: list[int | None] = [None] * max_loras
         self._slot_used = [0] * max_loras
         self._clock = 0
@@ -252,10 +252,8 @@ class LoRAManager:
             raw.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
         for (layer, proj), pair in raw.items():
             by_layer.setdefault(layer, {})[proj] = (pair["A"], pair["B"])
-        per_layer = len(self.stacks) // len(self.layers)
-        weights = []
-        for index, stack in enumerate(self.stacks):
-            tensors = by_layer.get(self.layers[index // per_layer], {})
-            weights.append(stack.arrange(tensors, info.scaling))
+        weights = [
+            stack.arrange(by_layer.get(stack.layer, {}), info.scaling) for stack in self.stacks
+        ]
         logger.info("read LoRA adapter %r (rank %d) from %s", lora.name, info.rank, lora.path)
         return weights

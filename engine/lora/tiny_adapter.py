@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tidegate.engine.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, projection_shape
+from tidegate.engine.lora.adapter import (
+    CONFIG_FILE,
+    MLP_TARGETS,
+    TARGETS,
+    WEIGHTS_FILE,
+    projection_shape,
+)
 from tidegate.engine.model.config import ModelConfig
 
 
@@ -40,10 +46,11 @@ def make_tiny_adapter(
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for proj in TARGETS:  # model order, whatever order `targets` came in
-            if proj not in targets:
+            sparse = proj in MLP_TARGETS and config.is_sparse_layer(layer)
+            if proj not in targets or sparse:  # a mixture of experts has no such projection
                 continue
             in_features, out_features = projection_shape(config, proj)
-            group = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            group = "mlp" if proj in MLP_TARGETS else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{group}.{proj}"
             a = torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features)
             b = torch.randn(out_features, rank, generator=generator) / math.sqrt(rank)

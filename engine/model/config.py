@@ -7,14 +7,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# Qwen3's attention normalises each query and key head (q_norm, k_norm) before RoPE.
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # RoPE variants rotary.py computes exactly as transformers does; "default" means no scaling.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse feed-forward of a mixture-of-experts model (Mixtral, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    intermediate_size: int  # each expert's
+    # Whether the top-k routing weights are rescaled to sum to 1 (Mixtral always; Qwen3-MoE
+    # by norm_topk_prob); else they are the softmax over all experts, as picked.
+    renormalize: bool
+    sparse_layers: frozenset[int]  # the decoder layers whose MLP is the experts
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be between 1 and the "
+                f"{self.num_experts} experts"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama-family or Qwen2 decoder-only model."""
+    """Shapes and options of a decoder-only model of the Llama family: Llama, Mistral, Qwen2,
+    Qwen3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
 
     architecture: str
     vocab_size: int
@@ -36,6 +66,12 @@ class ModelConfig:
     eos_token_ids: list[int]
     torch_dtype: str | None  # as written in config.json, e.g. "bfloat16"; None if absent
     sliding_window: int | None = None  # Mistral v0.1: exact only up to this many tokens
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    moe: MoEConfig | None = None  # mixture of experts; None for a dense model
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def max_model_len(self) -> int:
@@ -52,8 +88,12 @@ class ModelConfig:
             problems.append(f"{self.num_attention_heads} attention heads")
         if kv % size and size % kv:
             problems.append(f"{kv} key/value heads (nor is it a multiple of them)")
-        if self.intermediate_size % size:
+        if self.intermediate_size % size and (
+            self.moe is None or len(self.moe.sparse_layers) < self.num_hidden_layers
+        ):  # a dense layer's MLP is split too
             problems.append(f"intermediate size {self.intermediate_size:,}")
+        if self.moe is not None and self.moe.intermediate_size % size:
+            problems.append(f"expert intermediate size {self.moe.intermediate_size:,}")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size {size} does not divide this model's "
@@ -68,6 +108,8 @@ class ModelConfig:
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         attention = self.hidden_size * self.head_dim * (2 * heads + 2 * kv)  # q, k, v, o
         mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
+        if self.moe is not None:  # the experts a token runs through (compute, not weights)
+            mlp = 3 * self.hidden_size * self.moe.intermediate_size * self.moe.top_k
         return self.vocab_size * self.hidden_size / (attention + mlp)
 
     def check_pipeline_parallel(self, size: int) -> None:
@@ -98,10 +140,15 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        if is_qwen2 and raw.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        is_qwen = is_qwen2 or architecture in _QWEN3
+        if is_qwen and raw.get("use_sliding_window"):
+            raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         heads = raw["num_attention_heads"]
         attention_bias = bool(raw.get("attention_bias", False))
+        # Qwen3's configuration class defaults head_dim to 128, not hidden_size / heads.
+        head_dim = raw.get("head_dim") or (
+            128 if architecture == "Qwen3ForCausalLM" else raw["hidden_size"] // heads
+        )
         rope_theta, rope_scaling = _rope(raw)
         eos = _as_list(raw.get("eos_token_id"))
         eos += [t for t in extra_eos or [] if t not in eos]
@@ -113,20 +160,23 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers all four.
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's and Qwen3's flag covers
+            # all four (Mixtral has none).
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=not is_qwen2 and attention_bias,
-            mlp_bias=not is_qwen2 and bool(raw.get("mlp_bias", False)),
+            mlp_bias=not is_qwen and bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            sliding_window=None if is_qwen2 else raw.get("sliding_window"),
+            sliding_window=None if is_qwen else raw.get("sliding_window"),
+            qk_norm=architecture in _QWEN3,
+            moe=_moe(architecture, raw),
         )
 
 
@@ -138,6 +188,34 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise ValueError(
         f"model architecture {names or raw.get('model_type')!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _moe(architecture: str, raw: dict[str, Any]) -> MoEConfig | None:
+    """The experts of Mixtral (every layer) or Qwen3-MoE (as decoder_sparse_step and
+    mlp_only_layers say, as transformers reads them); None for a dense model."""
+    layers = raw["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=raw["num_local_experts"],
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw["intermediate_size"],
+            renormalize=True,
+            sparse_layers=frozenset(range(layers)),
+        )
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    num_experts, step = raw.get("num_experts", 128), raw.get("decoder_sparse_step", 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if num_experts <= 0 or not sparse:
+        return None  # every layer dense: a dense model
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=raw.get("num_experts_per_tok", 8),
+        intermediate_size=raw.get("moe_intermediate_size", 768),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
     )
 
 

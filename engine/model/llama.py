@@ -1,4 +1,6 @@
-"""The Llama decoder (also serves Mistral and Qwen2, which differ only in biases)."""
+"""The Llama decoder, which also serves its relatives: Mistral and Qwen2 (they differ in
+biases), Qwen3 (a norm over each query and key head) and the mixture-of-experts Mixtral and
+Qwen3-MoE (moe.py's experts in place of the MLP)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tidegate.engine.model.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
+from tidegate.engine.model.moe import SparseMoE
 from tidegate.engine.model.rotary import RotaryEmbedding
 
 
@@ -52,6 +55,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
         )
+        # Qwen3: each query and key head RMS-normalised (weights [head_dim]) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary  # one cos/sin cache shared by all layers
         # The attention backend's own op for a whole layer, when it has one (set by the
         # model from its backend): called directly instead of `paged_attention`.
@@ -64,6 +70,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.layer_op is not None:
             out = self.layer_op(q, k, v, self.layer, self.scale)
@@ -90,14 +98,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP (or experts), each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, layer: int, cache_index: int
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, layer)
+        self.self_attn = LlamaAttention(config, rotary, cache_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp: nn.Module
+        if config.is_sparse_layer(layer):
+            assert config.moe is not None
+            self.mlp = SparseMoE(config.hidden_size, config.moe)
+        else:
+            self.mlp = LlamaMLP(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Run one layer; same order of additions as transformers so bf16 rounds alike."""
@@ -135,7 +150,7 @@ class LlamaModel(nn.Module):
         first = self.stage_layers.start
         self.layers = nn.ModuleList(
             # Each layer indexes this stage's KV caches, which start at its first layer.
-            LlamaDecoderLayer(config, rotary, i - first)
+            LlamaDecoderLayer(config, rotary, i, i - first)
             if i in self.stage_layers
             else MissingLayer()
             for i in range(config.num_hidden_layers)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tidegate.engine.attention.backend import AttentionBackend
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.llama import LlamaForCausalLM
+from tidegate.engine.model.moe import EXPERT_PROJECTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint projection name -> (our fused module, shard id).
@@ -25,6 +26,10 @@ _FUSED = {
     "up_proj": ("gate_up_proj", "up"),
 }
 _FUSED_NAME = re.compile(r"\.(" + "|".join(_FUSED) + r")\.")
+# One expert's projection: mlp.experts.<e>.<gate_proj|up_proj|down_proj|w1|w3|w2>.weight.
+_EXPERT_NAME = re.compile(
+    r"\.mlp\.experts\.(\d+)\.(" + "|".join(EXPERT_PROJECTIONS) + r")\.weight$"
+)
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
@@ -100,6 +105,13 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]]) ->
 
 
 def _our_name(hf_name: str) -> tuple[str, str | None]:
+    # Mixtral's sparse block is every other model's `mlp`.
+    hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.", 1)
+    match = _EXPERT_NAME.search(hf_name)
+    if match is not None:
+        kind = EXPERT_PROJECTIONS[match.group(2)]
+        stacked = "down_proj" if kind == "down" else "gate_up_proj"
+        return hf_name[: match.start()] + f".mlp.experts.{stacked}", f"{kind}.{match.group(1)}"
     match = _FUSED_NAME.search(hf_name)
     if match is None:
         return hf_name, None
@@ -110,7 +122,11 @@ def _our_name(hf_name: str) -> tuple[str, str | None]:
 def _expected_shards(model: LlamaForCausalLM) -> Iterator[tuple[str, str | None]]:
     modules = dict(model.named_modules())
     for name, _ in model.named_parameters():
-        owner = modules[name.rsplit(".", 1)[0]]
+        owner_name, attr = name.rsplit(".", 1)
+        owner = modules[owner_name]
+        if hasattr(owner, "checkpoint_shards"):
+            yield from ((name, s) for s in owner.checkpoint_shards(attr))
+            continue
         shards = getattr(owner, "output_sizes", None)
         yield from ((name, s) for s in shards) if shards else [(name, None)]
 

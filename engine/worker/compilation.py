@@ -33,6 +33,7 @@ from torch import nn
 
 from tidegate.engine.attention.backend import AttentionMetadata
 from tidegate.engine.config import EngineArgs
+from tidegate.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,19 @@ def resolve_compilation_level(
             "--attention-backend triton, or compilation_level 1"
         )
     return level
+
+
+def why_no_cuda_graphs(model_config: ModelConfig, pp_size: int) -> str | None:
+    """What keeps this model's decode steps out of CUDA graphs (level 2 then runs as 1), or
+    None when nothing does."""
+    if pp_size > 1:
+        # A stage after the first starts from received hidden states, which the decode graphs
+        # have no static buffer for.
+        return "pipeline parallelism"
+    if model_config.moe is not None:
+        # The experts' op reads on the host how many tokens each expert got (model/moe.py).
+        return "mixture of experts"
+    return None
 
 
 def level_was_given(args: EngineArgs, environ: Mapping[str, str] = os.environ) -> bool:

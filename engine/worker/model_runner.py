@@ -98,10 +98,9 @@ class ModelRunner:
         )
         # Pipeline parallelism: the stages this one sits between (hidden states in and out).
         self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
-        if self.compilation_level == 2 and get_pp_size() > 1:
-            # A stage after the first starts from received hidden states, which the decode
-            # graphs have no static buffer for.
-            logger.info("pipeline parallelism: no CUDA graphs, compilation level 1")
+        no_graphs = compilation.why_no_cuda_graphs(model_config, get_pp_size())
+        if self.compilation_level == 2 and no_graphs is not None:
+            logger.info("%s: no CUDA graphs, compilation level 1", no_graphs)
             self.compilation_level = 1
         # What the previous stage sent for the step being run (None on the first stage, and
         # in warm-up, which runs on zeros).

@@ -48,7 +48,8 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(6, 900) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# Qwen3-MoE: q/k norms in the graph, and the experts as an opaque op beside attention.
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3_moe"])
 def engines(request) -> tuple[LLM, LLM]:
     """(eager, compiled) engines on the same tiny model."""
     model = request.getfixturevalue(f"tiny_{request.param}_dir")

@@ -13,6 +13,9 @@ from tidegate.engine import LLM, SamplingParams
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 512
+# As the reference's min_new_tokens: exactly MAX_TOKENS tokens, EOS never picked (ignore_eos
+# would let it be picked and go on).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:
@@ -56,9 +59,14 @@ def transformers_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model_and_reference(request, tiny_llama_dir, tiny_qwen2_dir):
-    model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(
+    scope="module", params=[f"tiny_{arch}_dir" for arch in ARCHITECTURES], ids=ARCHITECTURES
+)
+def model_and_reference(request):
+    model_dir = request.getfixturevalue(request.param)
     import json
 
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -98,7 +106,7 @@ def test_greedy_tokens_identical_to_transformers(model_and_reference, caching, t
     model_dir, prompts, expected = model_and_reference
     small = budget == "small"
     llm = scheduled_llm(model_dir, caching, threshold, small)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = GREEDY
     outputs = llm.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outputs]
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
@@ -135,7 +143,7 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
     model_dir, prompts, expected = model_and_reference
     small = budget == "small"
     llm = scheduled_llm(model_dir, True, threshold, small)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = GREEDY
     outputs = llm.generate(prompts, dataclasses.replace(params, prompt_logprobs=2))
     reference = transformers_prompt_logprobs(model_dir, prompts)
     for i, (output, prompt, want) in enumerate(zip(outputs, prompts, reference, strict=True)):

@@ -95,6 +95,55 @@ def test_adapter_output_equals_transformers_with_peft(arch, request, tmp_path):
     assert got != base  # the adapters change the output
 
 
+def test_a_moe_models_adapter_equals_its_merged_weights_and_never_adapts_experts(
+    tiny_qwen3_moe_dir, tmp_path
+):
+    """Qwen3-MoE's first layer is dense and its second has experts: an adapter of k_proj and
+    the MLP adapts both layers' attention and the first layer's MLP, and gives the tokens of
+    the base model with B @ A * scaling added to those weights. (PEFT is no reference here:
+    on transformers 5 it wraps the stacked experts instead of the dense layer's MLP.)"""
+    from safetensors.torch import load_file, save_file
+
+    targets = ["k_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = make_tiny_adapter(tiny_qwen3_moe_dir, tmp_path / "a", rank=8, seed=4, targets=targets)
+    info = read_adapter(adapter, ModelConfig.from_pretrained(tiny_qwen3_moe_dir), 16)
+    assert info.modules == {(0, p) for p in targets} | {(1, "k_proj")}
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for file in tiny_qwen3_moe_dir.iterdir():
+        (merged / file.name).write_bytes(file.read_bytes())
+    weights = load_file(merged / "model.safetensors")
+    lora = load_file(adapter / "adapter_model.safetensors")
+    for layer, proj in info.modules:
+        group = "self_attn" if proj == "k_proj" else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{group}.{proj}"
+        delta = lora[f"{prefix}.lora_B.weight"] @ lora[f"{prefix}.lora_A.weight"]
+        weights[f"model.layers.{layer}.{group}.{proj}.weight"] += delta * info.scaling
+    save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
+    with LLM(str(tiny_qwen3_moe_dir), dtype="float32", enable_lora=True) as llm:
+        lora_request = llm.load_lora("a", str(adapter))
+        got = token_ids(llm.generate(PROMPTS, GREEDY, lora_request=lora_request))
+        base = token_ids(llm.generate(PROMPTS, GREEDY))
+    with LLM(str(merged), dtype="float32") as llm:
+        assert got == token_ids(llm.generate(PROMPTS, GREEDY)) != base
+
+    # An adapter of the experts' layer's MLP (as one written for a dense model) is refused.
+    other = make_tiny_adapter(all_dense_config(tiny_qwen3_moe_dir, tmp_path), tmp_path / "b")
+    with pytest.raises(LoRAError, match="layer 1, a mixture-of-experts layer"):
+        read_adapter(other, ModelConfig.from_pretrained(tiny_qwen3_moe_dir), 16)
+
+
+def all_dense_config(model_dir: Path, tmp_path: Path) -> Path:
+    """model_dir's config.json with every layer dense: adapters made for it have MLP weights
+    in each layer."""
+    dense = tmp_path / "dense-config"
+    dense.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["mlp_only_layers"] = list(range(config["num_hidden_layers"]))
+    (dense / "config.json").write_text(json.dumps(config))
+    return dense
+
+
 def test_mixed_batch_of_three_adapters_and_the_base_model_equals_each_alone(
     tiny_llama_dir, llama_adapters
 ):

@@ -112,6 +112,12 @@ def test_two_stages_with_tied_embeddings_and_biases(tiny_qwen2_dir):
     assert _generate(tiny_qwen2_dir, pipeline_parallel_size=2) == _generate(tiny_qwen2_dir)
 
 
+def test_two_stages_of_a_mixture_of_experts(tiny_qwen3_moe_dir):
+    """Qwen3-MoE: its dense first layer runs on one stage, its experts' layer on the other."""
+    two = _generate(tiny_qwen3_moe_dir, pipeline_parallel_size=2)
+    assert two == _generate(tiny_qwen3_moe_dir)
+
+
 def test_two_stages_preempt_on_a_tight_pool_as_one_does(tiny_llama_dir):
     """Nine blocks for five requests: requests are preempted and recomputed, some with a step
     in flight in the other stage, and the earlier stage relearns their sampled tokens."""

@@ -64,7 +64,10 @@ def _generate(
     return first + [o.outputs[0].token_ids for o in constrained], hits, prompt_logprobs
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+# Qwen3-MoE and Mixtral: every expert's intermediate features split over the ranks.
+@pytest.mark.parametrize(
+    "model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir"]
+)
 def test_two_ranks_generate_the_tokens_of_one(model, request):
     model_dir = request.getfixturevalue(model)
     one, hits_one, scored_one = _generate(model_dir, 1)
@@ -106,7 +109,8 @@ def _generate_with_adapters(
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+# Qwen3-MoE: its dense first layer's MLP is adapted, its experts are not.
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_moe_dir"])
 def test_two_ranks_serve_adapters_as_one_does(model, request, tmp_path):
     """A and B are sliced as their base layers are: column-parallel q/k/v and gate/up keep
     their rows of B, row-parallel o and down their columns of A (the all-reduce sums the
