@@ -122,6 +122,11 @@ def median_run(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    parser.add_argument(
+        "--arch",
+        default="llama",
+        help="make-tiny-model's --arch (qwen3_moe, mixtral: a mixture of experts)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -147,7 +152,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            model_dir = make_tiny_model(Path(tmp) / size, arch="llama", size=size, seed=0)
+            model_dir = make_tiny_model(Path(tmp) / size, arch=args.arch, size=size, seed=0)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             prompts = make_prompts(min(vocab, 4000), args.num_prompts, args.input_len, args.seed)
             # Alternate the two engines so that drift on a shared machine hits both alike.
@@ -170,7 +175,7 @@ def main() -> None:
                     )
             ours, theirs = median_run(runs_ours), median_run(runs_theirs)
             row = {
-                "model": f"tiny-model --size {size} (llama)",
+                "model": f"tiny-model --size {size} ({args.arch})",
                 "size": size,
                 "tidegate": ours,
                 "transformers": theirs,
@@ -202,6 +207,7 @@ def main() -> None:
             "dtype": args.dtype,
             "greedy": True,
             "repeats": args.repeats,
+            "arch": args.arch,
         },
         "machine": {
             "cpu": platform.processor() or platform.machine(),
@@ -261,7 +267,7 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
             level1_ratio = round(row["level1_ratio_to_vllm"], 2) if "vllm_cpu" in row else ratio
         rows.append(
             [
-                row["size"],
+                row["size"] if args.arch == "llama" else f"{row['size']} {args.arch}",
                 round(row["tidegate"]["output_tokens_per_s"], 1),
                 level1,
                 round(row["transformers"]["output_tokens_per_s"], 1),
@@ -273,7 +279,7 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
         )
     update_readme(
         args.readme,
-        "throughput-vs-peers",
+        "throughput-vs-peers" + ("" if args.arch == "llama" else f"-{args.arch}"),
         f"### offline throughput vs peers ({args.num_prompts} prompts x {args.input_len} tokens, "
         f"{args.output_len} out, {args.dtype}, greedy, median of {args.repeats})\n\n"
         + table(
@@ -290,7 +296,7 @@ def _update_readme(args: argparse.Namespace, results: list[dict]) -> None:
             rows,
         )
         + "\n\nTargets: at least 2x transformers and at least equal to vLLM-CPU."
-        + "\n\n![offline throughput](results/offline_throughput.png)",
+        + f"\n\n![offline throughput](results/{args.out.with_suffix('.png').name})",
     )
 
 
