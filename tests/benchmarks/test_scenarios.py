@@ -181,16 +181,22 @@ def test_kv_routing_compares_rendezvous_and_held_blocks(tmp_path):
 
 
 @pytest.mark.slow
-def test_offline_throughput_compares_tidegate_and_transformers(tmp_path):
+@pytest.mark.parametrize(("arch", "section"), [("llama", ""), ("qwen3_moe", "-qwen3_moe")])
+def test_offline_throughput_compares_tidegate_and_transformers(tmp_path, arch, section):
     readme = tmp_path / "README.md"
     out = tmp_path / "offline_throughput.json"
     command = [sys.executable, str(BENCHMARKS / "offline_throughput.py"), "--sizes", "tiny"]
     command += ["--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--repeats", "1"]
-    subprocess.run([*command, "--out", str(out), "--readme", str(readme)], check=True, timeout=300)
-    row = json.loads(out.read_text())["results"][0]
+    command += ["--arch", arch, "--out", str(out), "--readme", str(readme)]
+    subprocess.run(command, check=True, timeout=300)
+    record = json.loads(out.read_text())
+    row = record["results"][0]
+    assert record["workload"]["arch"] == arch and arch in row["model"]
     assert row["tidegate"]["output_tokens"] == row["transformers"]["output_tokens"] == 16
     assert (tmp_path / "offline_throughput.png").stat().st_size > 10_000
-    assert "<!-- throughput-vs-peers -->" in readme.read_text()
+    text = readme.read_text()
+    assert f"<!-- throughput-vs-peers{section} -->" in text
+    assert "(results/offline_throughput.png)" in text
 
 
 @pytest.mark.slow
