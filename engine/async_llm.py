@@ -70,8 +70,10 @@ class AsyncLLM:
         kv_role: str = "none",
         request_timeout: float | None = None,
         scheduling_policy: str = "fcfs",
+        dtype: str | None = None,
     ) -> None:
         self.model_config = model_config
+        self.dtype = dtype  # the engine cores' (None where not told)
         self.kv_role = kv_role
         self.request_timeout = request_timeout
         self.tokenizer = tokenizer
@@ -157,6 +159,7 @@ class AsyncLLM:
             kv_role=args.kv_role,
             request_timeout=request_timeout,
             scheduling_policy=args.scheduling_policy,
+            dtype=readies[0].dtype,
         )
         holder.append(engine)
         if args.kv_events_port is not None:

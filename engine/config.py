@@ -39,7 +39,10 @@ class EngineArgs(BaseModel):
     model: str = Field(description="Path of a local Hugging Face model folder.")
     tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype; auto takes the model config's."
+        "auto",
+        description="Weight and activation dtype. auto: the model config's, except float32 for "
+        "a 16-bit checkpoint on a CPU that has no dot products for it (x86 without AVX512_BF16 "
+        "or AMX) where the float32 weights fit.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     max_model_len: int | None = Field(

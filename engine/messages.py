@@ -318,6 +318,7 @@ class EngineCoreReady(msgspec.Struct):
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    dtype: str  # what its workers compute in: --dtype, or what auto picked (model/dtypes.py)
 
 
 # -- EngineCore <-> workers ----------------------------------------------------------------

@@ -30,6 +30,7 @@ from tidegate.engine.messages import (
     SchedulerStats,
 )
 from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.dtypes import with_auto_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,12 @@ class EngineCore:
         executor_class: type[Executor] | None = None,
         engine_index: int = 0,
     ) -> None:
-        self.args = args
         model_config = ModelConfig.from_pretrained(args.model)
         model_config.check_tensor_parallel(args.tensor_parallel_size)
         model_config.check_pipeline_parallel(args.pipeline_parallel_size)
+        # The workers get the dtype auto picks here, for this machine (model/dtypes.py).
+        args = with_auto_dtype(args, model_config)
+        self.args = args
         self.max_model_len = resolve_max_model_len(args, model_config)
         self.model_config = model_config
         if executor_class is None:

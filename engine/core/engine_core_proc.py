@@ -82,6 +82,7 @@ def run_engine_core(
         max_model_len=engine.max_model_len,
         num_kv_blocks=engine.kv_cache_manager.num_total_blocks,
         block_size=args.block_size,
+        dtype=engine.args.dtype,
     )
     requests.send_multipart([READY, msgspec.msgpack.encode(ready)])
     proc = EngineCoreProc(engine, engine_index, max_waiting_requests, max_waiting_per_tenant)

@@ -89,10 +89,8 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     metrics.record_cache_config(
         engine_args.block_size,
         engine_args.enable_prefix_caching,
-        # The KV cache holds the model's dtype, resolved as the workers do (engine/model/loader.py).
-        engine_args.dtype
-        if engine_args.dtype != "auto"
-        else engine.model_config.torch_dtype or "float32",
+        # The KV cache holds the model's dtype, as the engine cores resolved it.
+        engine.dtype or engine_args.dtype,
     )
     if server_args.prefill_via_header:
         metrics.enable_prefill_via_header()

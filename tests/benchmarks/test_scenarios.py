@@ -510,3 +510,15 @@ def test_structured_backends_times_both_grammar_libraries_and_picks_a_default(tm
         assert record["cold_corpus_s"] > 0 and record["compile_cold_ms"]["median"] > 0
         assert record["steady"]["per_token_us"] > 0
     assert result["default"] in result["why"]
+
+
+@pytest.mark.slow
+def test_cpu_dtype_times_bf16_against_what_auto_picks(tmp_path):
+    out = tmp_path / "cpu_dtype.json"
+    flags = ["--size", "tiny", "--num-prompts", "4", "--input-len", "16", "--output-len", "4"]
+    run_script("cpu_dtype.py", *flags, "--repeats", "1", "--out", str(out), timeout=300)
+    record = json.loads(out.read_text())
+    assert record["auto_picks"] == "float32"  # the tiny model is a float32 checkpoint
+    assert record["bfloat16"]["output_tokens"] == record["auto"]["output_tokens"] == 16
+    assert min(record["matmul_gflops_2048x768x2048"].values()) > 0
+    assert len(record["machine"]["load_average_1m"]) == 3  # at the start and after each run
