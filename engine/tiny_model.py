@@ -26,6 +26,7 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # With tools (Hermes' style): a system turn lists them in <tools></tools> and asks for
 # <tool_call> blocks; an assistant turn writes its calls as such blocks, and a tool result is a
 # user turn in <tool_response></tool_response>. Without tools the text is what it always was.
+# The generation prompt honours Qwen3's enable_thinking variable (chat_template_kwargs).
 _CONTENT = (
     "{% if content is string %}{{ content }}"
     "{% elif content %}{% for part in content %}"
@@ -72,7 +73,12 @@ CHAT_TEMPLATE = (
     "{{ eos_token + '\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    # As Qwen3's template: enable_thinking false (chat_template_kwargs) opens the reply with
+    # an empty thinking block.
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {

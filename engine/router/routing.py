@@ -65,7 +65,7 @@ class PromptTokenizer:
         try:
             if path == CHAT_PATH:
                 chat = ChatCompletionRequest.model_validate(body)
-                return chat_prompt_token_ids(self.tokenizer, chat.messages, chat.template_tools())
+                return chat_prompt_token_ids(self.tokenizer, chat)
             if path == COMPLETIONS_PATH:
                 prompts = CompletionRequest.model_validate(body).prompts()
                 if len(prompts) != 1:

@@ -273,7 +273,51 @@ class ChatMessage(RequestBody):
         return message
 
 
-class ChatCompletionRequest(SamplingRequest):
+# What the server itself hands the chat template; chat_template_kwargs may not set them.
+TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
+
+
+class ChatTemplateFields(RequestBody):
+    """How a conversation is rendered through the chat template (vLLM's fields)."""
+
+    # Open a new assistant turn after the messages (the template's generation prompt).
+    add_generation_prompt: bool | None = True
+    # Leave the final message open, so that the reply continues it (a prefilled answer).
+    continue_final_message: bool | None = False
+    # More variables for the template, e.g. Qwen3's {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _null_template_flags = null_is_default("add_generation_prompt", "continue_final_message")
+
+    @model_validator(mode="after")
+    def _template_fields_fit(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError(
+                "continue_final_message continues the last message and add_generation_prompt "
+                "starts a new one; send add_generation_prompt false with it",
+                "continue_final_message",
+            )
+        taken = sorted(TEMPLATE_NAMES.intersection(self.chat_template_kwargs or {}))
+        if taken:
+            raise FieldError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server "
+                "gives the template those (send the request's own fields instead)",
+                "chat_template_kwargs",
+            )
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The keyword arguments of render_chat these fields ask for."""
+        return {
+            "add_generation_prompt": bool(self.add_generation_prompt),
+            "continue_final_message": bool(self.continue_final_message),
+            "template_kwargs": self.chat_template_kwargs or {},
+        }
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -289,8 +333,17 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # deprecated by OpenAI; refused, naming tools
     function_call: Any = None  # deprecated by OpenAI; refused, naming tool_choice
+    # vLLM's: the reply repeats the final message first when it continues it (the final
+    # message's role is the reply's: assistant, or any with add_generation_prompt false).
+    echo: bool | None = False
 
-    _null_logprobs = null_is_default("logprobs")
+    _null_logprobs = null_is_default("logprobs", "echo")
+
+    def echoed_text(self) -> str:
+        """What echo puts before each choice's content ("" when nothing)."""
+        final = self.messages[-1]
+        reply_role = "assistant" if self.add_generation_prompt else final.role
+        return (final.content or "") if self.echo and final.role == reply_role else ""
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -408,14 +461,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize: a prompt, or a conversation rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -25,6 +25,7 @@ from tidegate.engine.entrypoints.openai.fan_out import (
 )
 from tidegate.engine.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from tidegate.engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from tidegate.engine.entrypoints.openai.request_body import FieldError
 from tidegate.engine.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
@@ -45,32 +46,56 @@ from tidegate.engine.tokenizer import Tokenizer
 def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
-    add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """A conversation as text, through the model's chat template (ValueError if it refuses).
 
     `tools` (OpenAI's tool dicts) reach the template as Hugging Face passes them: always
-    defined, None without tools.
+    defined, None without tools. `template_kwargs` are more variables for the template.
+    With `continue_final_message` the text ends where the final message's content does, so
+    that the model continues it instead of closing the turn.
     """
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             [m.for_template() for m in messages],
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            **(template_kwargs or {}),
         )
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template could not render the conversation: {exc}") from exc
+    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
 
-def chat_prompt_token_ids(
-    tokenizer: Tokenizer,
-    messages: Sequence[ChatMessage],
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """Token ids of a conversation as chat sends it to the engine."""
+def _cut_after_final_message(text: str, final: ChatMessage) -> str:
+    """`text` up to the end of the final message's content (what follows closes the turn)."""
+    content = final.content or ""
+    # Templates often strip a message's surrounding whitespace: look for the stripped
+    # content, and keep its leading and trailing whitespace where the text has them too.
+    core = content.strip()
+    start = text.rfind(core) if core else -1
+    if start < 0:
+        raise FieldError(
+            "continue_final_message needs the final message's content in the rendered "
+            "conversation, and this chat template does not write it there"
+            if core
+            else "continue_final_message needs a final message with content to continue",
+            "continue_final_message",
+        )
+    end = start + len(core)
+    trailing = content[len(content.rstrip()) :]
+    if trailing and text.startswith(trailing, end):
+        end += len(trailing)
+    return text[:end]
+
+
+def chat_prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """Token ids of a chat request's conversation as chat sends it to the engine."""
+    text = render_chat(tokenizer, body.messages, body.template_tools(), **body.template_options())
     # The template writes BOS itself; encoding must not add a second one.
-    text = render_chat(tokenizer, messages, tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -99,9 +124,7 @@ class ChatServing:
         """Render, validate every choice, then generate; streams when body.stream."""
         request_id, engine_id = request_ids("chatcmpl", http_request)
         new_parser = parser_factory(body, self.tool_call_parser)
-        token_ids = chat_prompt_token_ids(
-            self.engine.tokenizer, body.messages, body.template_tools()
-        )
+        token_ids = chat_prompt_token_ids(self.engine.tokenizer, body)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(
             max_tokens=body.output_limit, logprobs=num_top, prompt_logprobs=body.prompt_logprobs
@@ -129,6 +152,7 @@ class ChatServing:
             return EventStreamResponse(sse_events(chunks), on_close=merged.aclose)
 
         states = await cancel_on_disconnect(http_request, run_to_completion(self.engine, subs))
+        echoed = body.echoed_text()
         choices = []
         for index, (state, calls) in enumerate(
             zip(states, self._choice_calls(body, new_parser, len(states)), strict=True)
@@ -138,6 +162,8 @@ class ChatServing:
             if calls is not None:
                 message = calls.message(state.text)
                 finish_reason = calls.finish_reason(finish_reason)
+            if echoed:
+                message.content = echoed + (message.content or "")
             choice = ChatChoice(
                 index=index,
                 message=message,
@@ -187,7 +213,8 @@ class ChatServing:
         merged: MergedIterators[list[RequestOutput]],
         calls: list[ChoiceToolCalls | None],
     ) -> AsyncIterator[list[ChatCompletionChunk]]:
-        """The role of every choice in one write, then the deltas as they come."""
+        """The role of every choice (and what echo repeats) in one write, then the deltas as
+        they come."""
         num_choices = len(calls)
         states = [ChoiceState() for _ in range(num_choices)]
 
@@ -199,10 +226,14 @@ class ChatServing:
 
         deltas = stream_chunks(merged, states, chunk, usage_chunk if body.include_usage else None)
         try:
-            role = DeltaMessage(role="assistant", content="")
+            first = [DeltaMessage(role="assistant", content="")]
+            echoed = body.echoed_text()
+            if echoed:
+                first.append(DeltaMessage(content=echoed))
             yield [
-                header.model_copy(update={"choices": [ChatStreamChoice(index=index, delta=role)]})
+                header.model_copy(update={"choices": [ChatStreamChoice(index=index, delta=delta)]})
                 for index in range(num_choices)
+                for delta in first
             ]
             async for chunks in deltas:
                 yield chunks

@@ -15,7 +15,7 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         # The template writes BOS itself, so by default no special tokens are added: the
         # count is then exactly what a chat request with these messages uses.
-        text = render_chat(tokenizer, body.messages, body.add_generation_prompt)
+        text = render_chat(tokenizer, body.messages, **body.template_options())
         tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -308,6 +308,17 @@ def chat_fields(
         "response_format": field(st.just({"type": "text"}), {"type": "json_object"}),
         "tools": field(st.just([]), [{"type": "function"}]),
         "tool_choice": field(st.just("none"), "auto"),
+        "echo": field(st.booleans()),
+        "add_generation_prompt": field(st.booleans()),
+        # True needs add_generation_prompt false and a final message with content.
+        "continue_final_message": field(st.just(False), True, "yes"),
+        "chat_template_kwargs": field(
+            st.sampled_from([{}, {"enable_thinking": False}, {"enable_thinking": True}]),
+            {"messages": []},
+            {"bos_token": "x"},
+            [],
+            "enable_thinking",
+        ),
     }
     return with_limit(required, optional, bounded)
 

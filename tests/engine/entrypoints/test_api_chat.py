@@ -186,3 +186,77 @@ def test_prompt_logprobs_come_once_for_all_choices_and_not_streamed(api, engine)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "prompt_logprobs" and "stream" in error["message"]
+
+
+def prompt_text(engine) -> str:
+    return engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def test_chat_template_kwargs_reach_the_template(api, engine):
+    # Qwen3's switch: enable_thinking false opens the reply with an empty thinking block.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    assert api.post("/v1/chat/completions", body).is_success
+    assert prompt_text(engine).endswith("<|assistant|>\n")
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert api.post("/v1/chat/completions", {**body, **kwargs}).is_success
+    assert prompt_text(engine).endswith("<|assistant|>\n<think>\n\n</think>\n\n")
+    counted = api.post("/tokenize", {"messages": MESSAGES, **kwargs}).json()
+    assert counted["tokens"] == engine.submitted[-1].prompt_token_ids
+    for taken in ("messages", "add_generation_prompt", "bos_token"):
+        refused = api.post("/v1/chat/completions", {**body, "chat_template_kwargs": {taken: 1}})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and repr(taken) in error["message"]
+
+
+def test_add_generation_prompt_false_leaves_the_turn_unopened(api, engine):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    assert api.post("/v1/chat/completions", {**body, "add_generation_prompt": False}).is_success
+    assert prompt_text(engine).endswith("where is the cat?</s>\n")
+    assert api.post("/v1/chat/completions", {**body, "add_generation_prompt": None}).is_success
+    assert prompt_text(engine).endswith("<|assistant|>\n")  # null: the default, true
+
+
+def test_continue_final_message_continues_it_and_echo_repeats_it(api, engine):
+    # A prefilled answer: the prompt ends inside the assistant's turn, where its text does
+    # (the template's "</s>\n" closing the turn is cut, trailing spaces kept).
+    started = [*MESSAGES, {"role": "assistant", "content": "It is on the "}]
+    body = {
+        "model": MODEL,
+        "messages": started,
+        "max_tokens": 3,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    reply = api.post("/v1/chat/completions", body).json()
+    assert prompt_text(engine).endswith("<|assistant|>\nIt is on the ")
+    assert reply["choices"][0]["message"]["content"] == engine.tokenizer.decode(
+        engine.script_ids[:3]
+    )
+    counted = api.post("/tokenize", {"messages": started, **{k: body[k] for k in list(body)[3:]}})
+    assert counted.json()["tokens"] == engine.submitted[-1].prompt_token_ids
+
+    generated = reply["choices"][0]["message"]["content"]
+    echoed = api.post("/v1/chat/completions", {**body, "echo": True, "n": 2}).json()
+    assert [c["message"]["content"] for c in echoed["choices"]] == ["It is on the " + generated] * 2
+    assert echoed["usage"]["completion_tokens"] == 6  # the echoed text is not generated
+    events = parse_sse(api.post("/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "It is on the "}]
+    assert "".join(d.get("content") or "" for d in deltas) == "It is on the " + generated
+    # Echo repeats only a final message the reply continues: not the user's question.
+    plain = api.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "echo": True})
+    assert plain.json()["choices"][0]["message"]["content"] == SCRIPT
+
+
+def test_continue_final_message_is_refused_where_it_cannot_continue(api):
+    body = {"model": MODEL, "messages": MESSAGES, "continue_final_message": True}
+    both = api.post("/v1/chat/completions", body)  # add_generation_prompt defaults to true
+    assert both.status_code == 400
+    assert both.json()["error"]["param"] == "continue_final_message"
+    assert "send add_generation_prompt false" in both.json()["error"]["message"]
+    empty = [*MESSAGES, {"role": "assistant", "content": ""}]
+    body = {**body, "messages": empty, "add_generation_prompt": False}
+    refused = api.post("/v1/chat/completions", body)
+    assert refused.status_code == 400
+    assert "a final message with content to continue" in refused.json()["error"]["message"]
