@@ -288,6 +288,7 @@ class ChatTemplateFields(RequestBody):
     continue_final_message: bool | None = False
     # More variables for the template, e.g. Qwen3's {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # listed by the template as the model may call them
 
     _null_template_flags = null_is_default("add_generation_prompt", "continue_final_message")
 
@@ -308,9 +309,14 @@ class ChatTemplateFields(RequestBody):
             )
         return self
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them; None without tools."""
+        return [tool.for_template() for tool in self.tools] if self.tools else None
+
     def template_options(self) -> dict[str, Any]:
-        """The keyword arguments of render_chat these fields ask for."""
+        """The keyword arguments of render_chat these fields ask for, but the messages."""
         return {
+            "tools": self.template_tools(),
             "add_generation_prompt": bool(self.add_generation_prompt),
             "continue_final_message": bool(self.continue_final_message),
             "template_kwargs": self.chat_template_kwargs or {},
@@ -327,7 +333,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's field: the top logprobs of each prompt token, in the response's prompt_logprobs.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[ChatTool] | None = None
     # None: "auto" with tools, "none" without (as OpenAI).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -448,10 +453,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
             assert self.tools is not None
             return tool_constraint(self.tools, mode, self.named_function, self.parallel_tool_calls)
         return super().output_constraint()
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them; None without tools."""
-        return [tool.for_template() for tool in self.tools] if self.tools else None
 
     @property
     def output_limit(self) -> int | None:

@@ -94,7 +94,7 @@ def _cut_after_final_message(text: str, final: ChatMessage) -> str:
 
 def chat_prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
     """Token ids of a chat request's conversation as chat sends it to the engine."""
-    text = render_chat(tokenizer, body.messages, body.template_tools(), **body.template_options())
+    text = render_chat(tokenizer, body.messages, **body.template_options())
     # The template writes BOS itself; encoding must not add a second one.
     return tokenizer.encode(text, add_special_tokens=False)
 

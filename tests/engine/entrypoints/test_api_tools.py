@@ -474,3 +474,11 @@ def test_without_tools_the_prompt_is_unchanged(tools_api, engine):
         "<|assistant|>\nHi.</s>\n<|assistant|>\n"
     )
     assert engine.tokenizer.decode(engine.submitted[0].prompt_token_ids, False) == expected
+
+
+def test_tokenize_counts_the_tools_as_chat_sends_them(tools_api, engine):
+    chat(tools_api, ["hello"], engine, max_tokens=1)
+    body = {"model": MODEL, "messages": MESSAGES}
+    counted = tools_api.post("/tokenize", {**body, "tools": TOOLS}).json()
+    assert counted["tokens"] == engine.submitted[-1].prompt_token_ids
+    assert counted["count"] > tools_api.post("/tokenize", body).json()["count"]
