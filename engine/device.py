@@ -27,6 +27,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def runs_on_cpu(name: str) -> bool:
+    """Whether device `name` resolves to the CPU, asked without starting CUDA in this process
+    (the engine core's: see use_own_devices); "cuda" with no GPU fails later, in the worker."""
+    if name != "auto":
+        return name == "cpu"
+    import torch
+
+    return torch.cuda.device_count() == 0
+
+
 def devices_of_core(
     engine_index: int, num_cores: int, devices_per_core: int, visible: list[str]
 ) -> str:

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tidegate.engine.model.config import ModelConfig
+
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -254,6 +256,8 @@ def _random_weights(
     def norm(size: int = hidden) -> torch.Tensor:
         return (1.0 + normal(size, std=0.1)).to(dtype)
 
+    # Which layers have experts, how many and how wide: as the engine reads config.json.
+    model = ModelConfig.from_dict(config)
     weights = {"model.embed_tokens.weight": linear(config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -267,7 +271,7 @@ def _random_weights(
             weights[p + "self_attn.k_norm.weight"] = norm(config["head_dim"])
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
         weights[p + "post_attention_layernorm.weight"] = norm()
-        weights.update(_mlp_weights(config, i, linear))
+        weights.update(_mlp_weights(config, model, i, linear))
     weights["model.norm.weight"] = norm()
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = linear(config["vocab_size"], hidden)
@@ -279,34 +283,28 @@ def _random_weights(
 
 
 def _mlp_weights(
-    config: dict[str, Any], layer: int, linear: Callable[[int, int], torch.Tensor]
+    config: dict[str, Any],
+    model: ModelConfig,
+    layer: int,
+    linear: Callable[[int, int], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """One layer's feed-forward under its checkpoint names: a SwiGLU MLP, or a router and
     experts (Qwen3-MoE's `mlp.experts.<e>.gate_proj`, Mixtral's `block_sparse_moe.experts.<e>.w1`)."""
-    hidden, kind = config["hidden_size"], config["model_type"]
+    hidden = config["hidden_size"]
     p = f"model.layers.{layer}."
-    sparse = kind == "mixtral" or (
-        kind == "qwen3_moe"
-        and layer not in config["mlp_only_layers"]
-        and (layer + 1) % config["decoder_sparse_step"] == 0
-    )
-    if not sparse:
+    if not model.is_sparse_layer(layer):
         inter = config["intermediate_size"]
         return {
             p + "mlp.gate_proj.weight": linear(inter, hidden),
             p + "mlp.up_proj.weight": linear(inter, hidden),
             p + "mlp.down_proj.weight": linear(hidden, inter),
         }
-    if kind == "mixtral":
-        block, experts, inter = (
-            "block_sparse_moe",
-            config["num_local_experts"],
-            config["intermediate_size"],
-        )
-        names = ("w1", "w3", "w2")
+    assert model.moe is not None
+    experts, inter = model.moe.num_experts, model.moe.intermediate_size
+    if config["model_type"] == "mixtral":
+        block, names = "block_sparse_moe", ("w1", "w3", "w2")
     else:
-        block, experts, inter = "mlp", config["num_experts"], config["moe_intermediate_size"]
-        names = ("gate_proj", "up_proj", "down_proj")
+        block, names = "mlp", ("gate_proj", "up_proj", "down_proj")
     weights = {f"{p}{block}.gate.weight": linear(experts, hidden)}
     for e in range(experts):
         gate, up, down = (f"{p}{block}.experts.{e}.{name}.weight" for name in names)

@@ -241,6 +241,19 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+def checkpoint_files(model_dir: str | Path) -> list[str]:
+    """The safetensors files that hold a folder's weights, in the order the index (or the file
+    names) gives; empty when there are none."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    # Mistral folders also hold consolidated.safetensors, the same weights in its own names.
+    return sorted(
+        p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated")
+    )
+
+
 def _as_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []

@@ -20,6 +20,8 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidegate.engine.model.config import checkpoint_files
+
 if TYPE_CHECKING:
     from tidegate.engine.config import EngineArgs
     from tidegate.engine.model.config import ModelConfig
@@ -78,8 +80,11 @@ def with_auto_dtype(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
     not the checkpoint's); other dtypes as given."""
     if args.dtype != "auto":
         return args
+    if (model_config.torch_dtype or "float32") not in NATIVE_FLAGS:
+        # Nothing to judge: no device lookup (nor torch import) in this process.
+        return args.model_copy(update={"dtype": model_config.torch_dtype or "float32"})
     from tidegate.engine.config import DEFAULT_KV_CACHE_MEMORY
-    from tidegate.engine.device import resolve_device
+    from tidegate.engine.device import runs_on_cpu
 
     if args.num_gpu_blocks is not None:
         per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
@@ -89,7 +94,7 @@ def with_auto_dtype(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
     copies = args.data_parallel_size_local  # each engine core of the pod loads the weights
     dtype, why = auto_dtype(
         model_config.torch_dtype,
-        resolve_device(args.device).type,
+        "cpu" if runs_on_cpu(args.device) else "cuda",
         copies * checkpoint_bytes(args.model),
         copies * kv_bytes,
     )
@@ -135,7 +140,5 @@ def available_memory_bytes() -> int | None:
 
 
 def checkpoint_bytes(model_dir: str | os.PathLike[str]) -> int:
-    """Bytes of the folder's safetensors files (its weights as stored; a Mistral folder's
-    consolidated copy, which the loader skips, left out)."""
-    files = Path(model_dir).glob("*.safetensors")
-    return sum(p.stat().st_size for p in files if not p.name.startswith("consolidated"))
+    """Bytes of the files the loader reads the folder's weights from (as stored)."""
+    return sum((Path(model_dir) / name).stat().st_size for name in checkpoint_files(model_dir))

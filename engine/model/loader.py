@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tidegate.engine.attention.backend import AttentionBackend
-from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.config import ModelConfig, checkpoint_files
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS
 
@@ -137,14 +136,7 @@ def _shard_key(name: str, shard: str | None) -> str:
 
 def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) from every file, in the order the index (or the file names) gives."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        # Mistral folders also hold consolidated.safetensors, the same weights in its own names.
-        files = sorted(
-            p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated")
-        )
+    files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     for file in files:

@@ -65,6 +65,12 @@ def test_this_machines_flags_and_memory_are_read():
         assert flags == frozenset()
     memory = dtypes.available_memory_bytes()
     assert memory is not None and memory > 0
+    import torch
+
+    from tidegate.engine.device import runs_on_cpu
+
+    assert runs_on_cpu("cpu") and not runs_on_cpu("cuda")
+    assert runs_on_cpu("auto") == (torch.cuda.device_count() == 0)
 
 
 @pytest.fixture
