@@ -31,6 +31,69 @@ Track = Literal["stable", "canary"]
 SchedulingPolicy = Literal["fcfs", "fair", "priority"]
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's --speculative-config): guess tokens, verify them in one step.
+
+    Only prompt lookup (`ngram`) proposes: the last n tokens of a request (n from
+    prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its prompt and
+    output, and the tokens that followed are the guesses. The model computes them all in one
+    step, and each is kept while it is the token that sampling picks at its position, so the
+    output is the one decoding token by token gives (engine/spec_decode/).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = Field(
+        "ngram",
+        description="How tokens are proposed: ngram (prompt lookup). Draft models, EAGLE and "
+        "MTP heads are not supported.",
+    )
+    num_speculative_tokens: int = Field(
+        ge=1, le=16, description="Most tokens proposed for a request per step."
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest suffix of a request's tokens looked up."
+    )
+    prompt_lookup_min: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="Shortest suffix looked up before giving up for the step; shorter ones "
+        "recur by chance more often, and their guesses are mostly wrong.",
+    )
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Propose nothing in a step when at least this many requests are running: a "
+        "full batch is compute-bound, and guesses that fail cost it time.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_ngram(cls, data: object) -> object:
+        if isinstance(data, dict):
+            if "model" in data:
+                raise ValueError(
+                    "speculative_config names a draft model: only method 'ngram' (prompt "
+                    "lookup) is supported, which needs none"
+                )
+            if data.get("method", "ngram") != "ngram":
+                raise ValueError(
+                    f"speculative_config method {data['method']!r} is not supported; the one "
+                    "supported is 'ngram' (prompt lookup)"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
 class EngineArgs(BaseModel):
     """Everything that shapes one engine instance. Field names are vLLM's where one exists."""
 
@@ -177,6 +240,16 @@ class EngineArgs(BaseModel):
         "scheduler counts each token in flight as a placeholder, the worker feeds the token it "
         "sampled, and step N's outputs go out while step N+1 runs. Off by default: on CPU it "
         "measured within noise of synchronous steps (benchmarks/README.md, async scheduling).",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description="Speculative decoding, as a JSON object (vLLM's flag), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\': each step also computes the '
+        "tokens that followed the request's last few tokens where they occurred before "
+        "(prompt lookup), and keeps those that sampling confirms, so an output that repeats "
+        "its prompt (code edits, quotes, extraction) takes fewer steps. Greedy and seeded "
+        "outputs are the same as without it. Fields: num_speculative_tokens, "
+        "prompt_lookup_max (4), prompt_lookup_min (3), disable_by_batch_size.",
     )
     data_parallel_size_local: int = Field(
         1,
@@ -379,6 +452,7 @@ class EngineArgs(BaseModel):
                 f"{sizes} needs 'mp' (one process per rank)"
             )
         self._check_nodes()
+        self._check_speculative()
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
@@ -405,6 +479,21 @@ class EngineArgs(BaseModel):
                 f"max_num_partial_prefills ({self.max_num_partial_prefills})"
             )
         return self
+
+    def _check_speculative(self) -> None:
+        """Refuse what speculative decoding does not run with yet, saying why."""
+        if self.speculative_config is None:
+            return
+        if self.async_scheduling:
+            raise ValueError(
+                "speculative_config does not run with async_scheduling: the next step's "
+                "guesses depend on which of this step's were accepted"
+            )
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config does not run with pipeline_parallel_size above 1: the "
+                "earlier stages would need every step's guesses and accepted tokens"
+            )
 
     def _check_nodes(self) -> None:
         """Refuse what pipeline stages and nodes cannot serve, saying what would."""

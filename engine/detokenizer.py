@@ -31,16 +31,23 @@ class IncrementalDetokenizer:
         )
         self.output_text = ""
         self.stopped_on: str | None = None
+        self.num_decoded = 0
         self._hold_back = 0
         if self.stop_strings and not self.include_stop:
             self._hold_back = max(len(s) for s in self.stop_strings) - 1
         self._sent = 0
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Decode new tokens; return the stop string if one now appears (text is cut there)."""
+        """Decode new tokens; return the stop string if one now appears (text is cut there).
+
+        `num_decoded` says how many of the new tokens were read: all of them, or those up to
+        the one that completed the stop string (a step may yield several tokens).
+        """
+        self.num_decoded = 0
         for token_id in new_token_ids:
             before = len(self.output_text)
             piece = self.stream.step(self.tokenizer.hf, token_id)
+            self.num_decoded += 1
             if piece:
                 self.output_text += piece
             if self.stop_strings and len(self.output_text) > before:

@@ -96,6 +96,9 @@ class SchedulerOutput(msgspec.Struct):
     kv_connector_metadata: KVConnectorMetadata | None = None
     # Structured outputs: the grammar-constrained requests that sample a token this step.
     grammar: GrammarBitmask | None = None
+    # Speculative decoding: requests that also compute guessed tokens (prompt lookup), after
+    # their last known one; num_scheduled_tokens counts them. The runner samples each position.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -214,6 +217,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int
     num_preemptions: int
     prompt_tokens_computed: int = 0
+    # Speculative decoding: decodes given guesses, tokens guessed, guesses accepted (vLLM's
+    # spec_decode_num_drafts, _num_draft_tokens and _num_accepted_tokens).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # The highest kv_cache_usage since the core started, including within steps.
     kv_cache_usage_peak: float = 0.0
     # Tokens computed by the step these stats follow (0 when no step ran).

@@ -126,6 +126,10 @@ METRICS = (
     # Not in vLLM: prompt tokens whose KV was computed, not read from the prefix cache
     # (recomputation after preemption included). What prefix caching saves, directly.
     MetricSpec("prompt_tokens_computed", Counter, "Prompt tokens computed by the model."),
+    # Speculative decoding (vLLM's names): the acceptance rate is accepted / draft tokens.
+    MetricSpec("spec_decode_num_drafts", Counter, "Number of spec decoding drafts."),
+    MetricSpec("spec_decode_num_draft_tokens", Counter, "Number of draft tokens."),
+    MetricSpec("spec_decode_num_accepted_tokens", Counter, "Number of accepted tokens."),
     MetricSpec("prompt_tokens", Counter, "Number of prefill tokens processed."),
     MetricSpec("generation_tokens", Counter, "Number of generation tokens processed."),
     MetricSpec(
@@ -189,6 +193,9 @@ _STATS_TOTALS = (
     "prefix_cache_hits",
     "num_preemptions",
     "prompt_tokens_computed",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
     "kv_pins_expired",
     "kv_received_bytes",
     "kv_transfer_fallbacks",

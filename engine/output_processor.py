@@ -114,15 +114,27 @@ class OutputProcessor:
             if state is None:
                 continue
             completion = state.output.outputs[0]
-            completion.token_ids.extend(out.new_token_ids)
+            stop = state.detokenizer.update(out.new_token_ids)
+            new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+            if stop is not None and state.detokenizer.num_decoded < len(new_token_ids):
+                # A step yielded tokens past the one that completed a stop string (speculative
+                # decoding): they are not part of the output.
+                n = state.detokenizer.num_decoded
+                new_token_ids = new_token_ids[:n]
+                if new_logprobs is not None:
+                    new_logprobs = LogprobsLists(
+                        new_logprobs.token_ids[:n],
+                        new_logprobs.logprobs[:n],
+                        new_logprobs.sampled_token_ranks[:n],
+                    )
+            completion.token_ids.extend(new_token_ids)
             state.output.num_cached_tokens = out.num_cached_tokens
             if out.kv_transfer_params is not None:
                 state.output.kv_transfer_params = out.kv_transfer_params
-            if state.want_logprobs and out.new_logprobs is not None:
-                self._append_logprobs(completion, out.new_logprobs)
+            if state.want_logprobs and new_logprobs is not None:
+                self._append_logprobs(completion, new_logprobs)
             if out.prompt_logprobs is not None:
                 state.output.prompt_logprobs = [None, *self._entries(out.prompt_logprobs)]
-            stop = state.detokenizer.update(out.new_token_ids)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if stop is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop
@@ -136,7 +148,7 @@ class OutputProcessor:
                 state.output.finished = True
                 del self._states[out.req_id]
             if state.delta:
-                delta = self._delta(state, len(out.new_token_ids))
+                delta = self._delta(state, len(new_token_ids))
                 # Streaming callers get the prompt's logprobs once, with the first token.
                 if out.prompt_logprobs is not None:
                     delta.prompt_logprobs = state.output.prompt_logprobs

@@ -169,6 +169,7 @@ class EngineCore:
             defer_grammar_bitmask=self.executor.takes_deferred_grammar_bitmask,
             pipeline_parallel_size=args.pipeline_parallel_size,
             micro_batches=self.max_in_flight if args.pipeline_parallel_size > 1 else 1,
+            speculative=args.speculative_config,
         )
         # The step whose results the last step() applied (None: it applied none).
         self.last_scheduler_output: SchedulerOutput | None = None

@@ -12,6 +12,7 @@ from tidegate.engine.core.request_grammar import RequestGrammar
 from tidegate.engine.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from tidegate.engine.messages import EngineCoreRequest, LoRARequest
 from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.spec_decode.acceptance import GuessRecord
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,6 +95,12 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Content hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: the tokens as an array, kept up to date as they grow
+        # (token_array), for prompt lookup's vectorized search.
+        self._token_buffer: np.ndarray | None = None
+        self._num_buffered = 0
+        # How often its guesses were kept (the scheduler makes it with the first guess).
+        self.guess_record: GuessRecord | None = None
         # Disaggregated serving: what was asked, whether the pull was tried (once only), and
         # a producer's answer, set when the request finishes.
         self.kv_transfer = kv_transfer
@@ -150,6 +157,21 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def token_array(self) -> np.ndarray:
+        """All tokens as an int64 array view; tokens only ever append, so each call copies
+        just those added since the last."""
+        n = len(self._all_token_ids)
+        buffer = self._token_buffer
+        if buffer is None or len(buffer) < n:
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if buffer is not None:
+                grown[: self._num_buffered] = buffer[: self._num_buffered]
+            self._token_buffer = buffer = grown
+        if self._num_buffered < n:
+            buffer[self._num_buffered : n] = self._all_token_ids[self._num_buffered : n]
+            self._num_buffered = n
+        return buffer[:n]
 
     def token_ids_array(self, start: int, end: int) -> np.ndarray:
         return np.asarray(self._all_token_ids[start:end], dtype=np.int64)

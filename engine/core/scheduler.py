@@ -9,6 +9,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from tidegate.engine.config import SpeculativeConfig
 from tidegate.engine.core.chunk_tuner import (
     ChunkSizeTuner,
     StepCaps,
@@ -31,12 +32,15 @@ from tidegate.engine.messages import (
     KVEvent,
     KVRecvDone,
     KVRelease,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
     StepTime,
 )
+from tidegate.engine.spec_decode.acceptance import GuessRecord
+from tidegate.engine.spec_decode.ngram import NgramProposer
 from tidegate.engine.structured_output import bitmask_words
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,11 @@ class Scheduler:
     next plan counts as a known token whose KV that step computes; the runner feeds it the
     token it sampled itself. `update_from_output` swaps the placeholder for the real token.
 
+    With `speculative` decoding, a decode that has budget and blocks left after every other
+    request is served also computes the tokens prompt lookup guesses will follow, as many as
+    its guesses so far say are worth it (`_schedule_proposals`, engine/spec_decode/); `update_from_output` takes back the computed count of the guesses
+    the runner did not accept, so their KV is computed again with the real tokens.
+
     With pipeline parallelism only the last stage samples, so a request with a token in flight
     waits for it, and each plan tells the earlier stages the sampled tokens it reads
     (`CachedRequestData.new_token_ids`). With `micro_batches` steps in flight at once, each
@@ -82,6 +91,7 @@ class Scheduler:
         defer_grammar_bitmask: bool = False,
         pipeline_parallel_size: int = 1,
         micro_batches: int = 1,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.limits = limits
         self.async_scheduling = async_scheduling
@@ -123,6 +133,19 @@ class Scheduler:
         self._step_trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         self.num_preemptions = 0
         self.num_steps = 0
+        # Speculative decoding: the proposer, and totals of proposals (requests given some),
+        # proposed tokens and accepted ones (vLLM's spec_decode_* counters).
+        self.speculative = speculative
+        self.proposer: NgramProposer | None = None
+        if speculative is not None:
+            self.proposer = NgramProposer(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+            )
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         # Prompt tokens whose KV was computed (not read from the prefix cache), recomputes included.
         self.num_computed_prompt_tokens = 0
         self.kv_transfer = KVTransferCoordinator(
@@ -213,6 +236,7 @@ class Scheduler:
                 self.limits, caps.cap(0), cap=caps.cap, max_seqs=max_seqs, charge=caps.charge
             )
         scheduled: dict[str, int] = {}
+        proposals: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
@@ -230,7 +254,9 @@ class Scheduler:
         # vLLM's rule: a step that had to preempt for blocks admits nobody new.
         if len(preempted) == reclaimed and not self.limits.phased:
             self._schedule_waiting(budget, scheduled, new_reqs, cached_reqs)
-        return self._finish_step(scheduled, new_reqs, cached_reqs, preempted)
+        if self.proposer is not None:
+            self._schedule_proposals(budget, scheduled, cached_reqs, proposals)
+        return self._finish_step(scheduled, new_reqs, cached_reqs, preempted, proposals)
 
     @property
     def last_mix(self) -> StepMix:
@@ -376,12 +402,70 @@ class Scheduler:
             if budget.is_partial(request, computed):
                 budget.count_partial(request)
 
+    def _schedule_proposals(
+        self,
+        budget: StepBudget,
+        scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+        proposals: dict[str, list[int]],
+    ) -> None:
+        """Speculative decoding: add prompt-lookup guesses to the step's decodes, in running
+        order, with the budget every other request left. A guess never displaces a token
+        that is certain: it takes neither budget nor the free block each running request
+        keeps to grow into, and a request whose guesses would end past max_tokens or the
+        context gets fewer."""
+        assert self.proposer is not None and self.speculative is not None
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
+            return
+        kv = self.kv_cache_manager
+        data_of: dict[str, CachedRequestData] | None = None
+        for request in self.running:
+            if budget.tokens_left <= 0:
+                break
+            rid = request.request_id
+            if scheduled.get(rid) != 1 or request.grammar is not None or not _is_decoding(request):
+                continue
+            # The token after the last guess is sampled too: it must fit as well.
+            room = min(
+                budget.tokens_left,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.limits.max_model_len - request.num_tokens - 1,
+            )
+            if room <= 0:
+                continue
+            guesses = self.proposer.propose(request.token_array(), room)
+            if not guesses:
+                continue
+            record = request.guess_record
+            if record is None:
+                record = request.guess_record = GuessRecord()
+            worth = record.worth(len(guesses))
+            if worth == 0:
+                record.shadow = guesses[0]  # judged against the token this step samples
+                continue
+            guesses = guesses[:worth]
+            num_tokens = request.num_computed_tokens + 1 + len(guesses)
+            needed = -(-num_tokens // self.block_size) - kv.num_held_blocks(rid)
+            if needed > 0 and kv.num_free_blocks - needed < len(self.running):
+                continue
+            new_blocks = kv.allocate_slots(request, 1 + len(guesses))
+            if new_blocks is None:
+                continue
+            if data_of is None:
+                data_of = {data.req_id: data for data in cached_reqs}
+            data_of[rid].new_block_ids.extend(block.block_id for block in new_blocks)
+            proposals[rid] = guesses
+            scheduled[rid] += len(guesses)
+            self._spend(budget, request, len(guesses))
+
     def _finish_step(
         self,
         scheduled: dict[str, int],
         new_reqs: list[NewRequestData],
         cached_reqs: list[CachedRequestData],
         preempted: set[str],
+        proposals: dict[str, list[int]] | None = None,
     ) -> SchedulerOutput:
         """Package the plan and advance every scheduled request's computed-token count."""
         total = sum(scheduled.values())
@@ -394,6 +478,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
             kv_connector_metadata=self.kv_transfer.take_connector_metadata(),
+            scheduled_spec_decode_tokens=proposals or {},
         )
         self._finished_req_ids = set()
         grammar_rows: list[Request] = []
@@ -409,7 +494,14 @@ class Scheduler:
             request = self.requests[req_id]
             start = request.num_computed_tokens
             prompt_len = request.num_prompt_tokens
-            if num == 1 and (_is_decoding(request) if tuned else start >= prompt_len):
+            guessed = len(proposals.get(req_id, ())) if proposals else 0
+            if guessed:
+                # A decode with guesses: one decode, and its guesses a chunk one token on.
+                num_decodes += 1
+                if tuned:
+                    pairs += chunk_pairs(start + 1, guessed)
+                    keys += chunk_keys(start + 1, guessed)
+            elif num == 1 and (_is_decoding(request) if tuned else start >= prompt_len):
                 num_decodes += 1
             elif tuned:
                 pairs += chunk_pairs(start, num)
@@ -645,6 +737,19 @@ class Scheduler:
                 continue  # finished (or aborted) while this step ran: its token is dropped
             if request.num_output_placeholders:
                 request.num_output_placeholders -= len(token_ids)
+            guesses = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if guesses:
+                # The runner keeps the guesses sampling confirmed, then one token of its own;
+                # the KV of the others was computed from wrong tokens: compute it again.
+                accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(guesses) - accepted
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += len(guesses)
+                self.num_spec_accepted_tokens += accepted
+                if request.guess_record is not None:
+                    request.guess_record.record(len(guesses), accepted)
+            elif request.guess_record is not None:
+                request.guess_record.record_shadow(token_ids[0])
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -664,13 +769,20 @@ class Scheduler:
                 if request.grammar is not None and request.grammar.is_terminated:
                     self._finish(request, RequestStatus.FINISHED_STOPPED)
                     break
+            logprobs = runner_output.logprobs.get(req_id)
+            if logprobs is not None and len(logprobs.token_ids) > len(new_token_ids):
+                # Tokens past a stop are dropped, and so are their logprobs.
+                n = len(new_token_ids)
+                logprobs = LogprobsLists(
+                    logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.sampled_token_ranks[:n]
+                )
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
-                    new_logprobs=runner_output.logprobs.get(req_id),
+                    new_logprobs=logprobs,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_time=self._queue_time(request, len(new_token_ids)),
@@ -788,6 +900,9 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             prompt_tokens_computed=self.num_computed_prompt_tokens,
+            spec_decode_num_drafts=self.num_spec_drafts,
+            spec_decode_num_draft_tokens=self.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_spec_accepted_tokens,
             num_batched_tokens=num_batched_tokens,
             kv_pinned_blocks=self.kv_transfer.num_pinned_blocks,
             kv_pins_expired=self.kv_transfer.num_pins_expired,

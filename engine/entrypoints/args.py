@@ -7,6 +7,7 @@ files are read against the same models.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Sequence
@@ -103,7 +104,20 @@ def _argparse_type(annotation: Any) -> tuple[list[Any] | None, Any]:
     if typing.get_origin(annotation) is typing.Literal:
         choices = list(typing.get_args(annotation))
         return choices, type(choices[0])
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None, _json_object  # the model validates the mapping (e.g. speculative_config)
     return None, annotation
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object, such as --speculative-config '{"method": ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from(namespace: argparse.Namespace, model: type[M] = EngineArgs) -> M:  # type: ignore[assignment]

@@ -25,8 +25,10 @@ class CachedRequestState:
     row: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    # A seeded request's generators, one per position a step samples (more than one with
+    # speculative decoding), each reseeded for its position before it draws.
+    generators: list[torch.Generator] = field(default_factory=list)
     lora_request: LoRARequest | None = None
     # prompt_logprobs: per prompt token from the second on, as the chunks compute them, (ids:
     # the token then the top k, logprobs, rank); sent with the first sampled token, then None.
@@ -87,6 +89,19 @@ class PersistentBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
+    def append_token_lists(self, rows: list[int], token_lists: list[list[int]]) -> None:
+        """Any number of sampled tokens for each of these rows (speculative decoding)."""
+        for row, tokens in zip(rows, token_lists, strict=True):
+            start = self.num_tokens[row]
+            self.token_ids[row, start : start + len(tokens)] = tokens
+            self.num_tokens[row] = start + len(tokens)
+
+    def write_guesses(self, row: int, token_ids: list[int]) -> None:
+        """Put guessed tokens after a row's known ones, where the step reads its inputs; they
+        stay unknown (num_tokens) until sampling confirms them."""
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+
     def set_tokens(self, row: int, token_ids: list[int], end: int) -> None:
         """Write tokens sampled elsewhere (on the last pipeline stage) at positions
         [end - len(token_ids), end): the sampled ones a step reads, which end at its last."""
@@ -142,10 +157,15 @@ class InputBuilder:
         self.arange = np.arange(max_num_tokens, dtype=np.int64)
 
     def build(
-        self, batch: PersistentBatch, rows: np.ndarray, num_scheduled: list[int]
+        self,
+        batch: PersistentBatch,
+        rows: np.ndarray,
+        num_scheduled: list[int],
+        num_guesses: np.ndarray | None = None,
     ) -> StepInputs:
         """Flatten one step's requests (their rows, in batch order) into input ids, positions,
-        slots and block tables."""
+        slots and block tables. A request with `num_guesses` g > 0 (speculative decoding)
+        samples at its last g + 1 positions, the others at their last."""
         num_seqs = len(rows)
         num_sched = np.asarray(num_scheduled, dtype=np.int64)
         num_computed = batch.num_computed_tokens[rows]
@@ -174,6 +194,14 @@ class InputBuilder:
         seq_lens = num_computed + num_sched
         sampling_mask = seq_lens >= batch.num_tokens[rows]
         logits_indices = query_start_loc[1:][sampling_mask] - 1
+        if num_guesses is not None:
+            # Each sampling request's last g + 1 positions, in order.
+            counts = num_guesses[sampling_mask] + 1
+            firsts = logits_indices - counts + 1
+            offsets = self.arange[: int(counts.sum())] - np.repeat(
+                np.cumsum(counts) - counts, counts
+            )
+            logits_indices = np.repeat(firsts, counts) + offsets
 
         qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))

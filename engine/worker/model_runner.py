@@ -32,6 +32,7 @@ from tidegate.engine.messages import (
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.loader import load_model, resolve_dtype
 from tidegate.engine.model.packed_linear import pack_linear_weights
+from tidegate.engine.spec_decode.verify import accepted_tokens
 from tidegate.engine.worker import compilation
 from tidegate.engine.worker.cuda_graphs import DecodeGraphs, Graph, cuda_graph_factory
 from tidegate.engine.worker.input_batch import CachedRequestState, InputBuilder, PersistentBatch
@@ -39,6 +40,7 @@ from tidegate.engine.worker.sampler import (
     Sampler,
     SamplerOutput,
     build_sampling_metadata,
+    position_seed,
     token_logprobs,
 )
 
@@ -232,10 +234,6 @@ class ModelRunner:
             self.prompt_logprobs_pending.discard(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
             row = batch.add(new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
             if params.prompt_logprobs is not None:
                 self.prompt_logprobs_pending.add(new.req_id)
@@ -244,7 +242,6 @@ class ModelRunner:
                 row=row,
                 prompt_token_ids=new.prompt_token_ids,
                 sampling_params=params,
-                generator=generator,
                 lora_request=new.lora_request,
             )
         for cached in so.scheduled_cached_reqs:
@@ -269,7 +266,17 @@ class ModelRunner:
         states = [self.requests[req_id] for req_id in req_ids]
         rows = np.fromiter((state.row for state in states), np.int64, len(states))
         num_scheduled = list(so.num_scheduled_tokens.values())
-        step = self.inputs.build(self.batch, rows, num_scheduled)
+        guesses = so.scheduled_spec_decode_tokens
+        num_guesses = None
+        if guesses:
+            # Speculative decoding: the guesses are this step's inputs after the last token.
+            num_guesses = np.zeros(len(states), dtype=np.int64)
+            for i, state in enumerate(states):
+                proposal = guesses.get(state.req_id)
+                if proposal:
+                    self.batch.write_guesses(state.row, proposal)
+                    num_guesses[i] = len(proposal)
+        step = self.inputs.build(self.batch, rows, num_scheduled, num_guesses)
         if self.lora is not None:
             self.lora.prepare([state.lora_request for state in states], num_scheduled)
         size = self.decode_graphs.size_for(num_scheduled) if self.decode_graphs else None
@@ -295,12 +302,22 @@ class ModelRunner:
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
             sampling = [states[i] for i in step.sampling_rows]
-            grammar = self._grammar_rows(so.grammar, sampling, logits.device)
-            output, tokens = self._sample_on_rank_0(logits, sampling, grammar)
-            self.batch.append_tokens(rows[step.sampling_rows], tokens)
-            for row, state, token in zip(step.sampling_rows, sampling, tokens, strict=True):
-                state.output_token_ids.append(token)
-                sampled[row] = [token]
+            proposed = [guesses.get(s.req_id, []) for s in sampling] if guesses else None
+            # A sampling request has a row of logits per position it samples at.
+            logit_rows = sampling
+            if proposed is not None:
+                logit_rows = [s for s, p in zip(sampling, proposed, strict=True) for _ in [*p, 0]]
+            grammar = self._grammar_rows(so.grammar, logit_rows, logits.device)
+            output, tokens = self._sample_on_rank_0(logits, sampling, grammar, proposed)
+            if proposed is None:
+                kept = [[token] for token in tokens]
+                self.batch.append_tokens(rows[step.sampling_rows], tokens)
+            else:
+                kept = accepted_tokens(tokens, proposed)
+                self.batch.append_token_lists(rows[step.sampling_rows].tolist(), kept)
+            for row, state, new in zip(step.sampling_rows, sampling, kept, strict=True):
+                state.output_token_ids.extend(new)
+                sampled[row] = new
                 if state.req_id in self.prompt_logprobs_pending:
                     prompt_logprobs[state.req_id] = LogprobsLists(
                         *(state.prompt_logprobs or ([], [], []))
@@ -308,7 +325,11 @@ class ModelRunner:
                     state.prompt_logprobs = None
                     self.prompt_logprobs_pending.discard(state.req_id)
             if output is not None and output.logprobs is not None:
-                logprobs = self._logprobs_lists(output, sampling)
+                logprobs = self._logprobs_lists(output, sampling, kept, proposed)
+            if proposed is not None:
+                # Guesses not kept were computed from wrong tokens: they count as not computed.
+                for row, proposal, new in zip(step.sampling_rows, proposed, kept, strict=True):
+                    self.batch.num_computed_tokens[rows[row]] -= len(proposal) + 1 - len(new)
         self.batch.num_computed_tokens[rows] += num_scheduled
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -384,15 +405,16 @@ class ModelRunner:
         logits: torch.Tensor,
         rows: list[CachedRequestState],
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+        proposed: list[list[int]] | None = None,
     ) -> tuple[SamplerOutput | None, list[int]]:
         """Rank 0 samples and sends its tokens to the other ranks, so that all append the same
         tokens and stay in lockstep (no rank depends on its own random state)."""
         output = None
         if get_tp_rank() == 0:
-            output = self._sample(logits, rows, grammar)
+            output = self._sample(logits, rows, grammar, proposed)
             tokens = output.sampled_token_ids.to(logits.device, torch.int64)
         else:
-            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         return output, broadcast(tokens).tolist()
 
     def _sample(
@@ -400,12 +422,29 @@ class ModelRunner:
         logits: torch.Tensor,
         rows: list[CachedRequestState],
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+        proposed: list[list[int]] | None = None,
     ) -> SamplerOutput:
-        generators = {i: s.generator for i, s in enumerate(rows) if s.generator is not None}
+        """One token per row of logits: a request's row, or with guesses (speculative
+        decoding) a row per position, sampled as if the guesses before it were its outputs."""
+        params: list = []
+        prompts: list[list[int]] = []
+        outputs: list[list[int]] = []
+        generators: dict[int, torch.Generator] = {}
+        for i, state in enumerate(rows):
+            guesses = proposed[i] if proposed is not None else ()
+            seeded = state.sampling_params.seed is not None and not state.sampling_params.greedy
+            for j in range(len(guesses) + 1):
+                if seeded:
+                    generators[len(params)] = self._position_generator(state, j)
+                params.append(state.sampling_params)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(
+                    [*state.output_token_ids, *guesses[:j]] if j else state.output_token_ids
+                )
         meta = build_sampling_metadata(
-            params=[s.sampling_params for s in rows],
-            prompt_token_ids=[s.prompt_token_ids for s in rows],
-            output_token_ids=[s.output_token_ids for s in rows],
+            params=params,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
             generators=generators,
             vocab_size=logits.shape[-1],
             device=logits.device,
@@ -413,21 +452,41 @@ class ModelRunner:
         meta.grammar_bitmask = grammar
         return self.sampler(logits, meta)
 
+    def _position_generator(self, state: CachedRequestState, offset: int) -> torch.Generator:
+        """A seeded request's generator for the output position `offset` past its known
+        tokens, seeded for that position alone: its draw does not depend on how many
+        positions earlier steps sampled, so guesses (kept or not), batching and preemption
+        leave a seeded request's tokens as they are."""
+        while len(state.generators) <= offset:
+            state.generators.append(torch.Generator(device=self.device))
+        generator = state.generators[offset]
+        seed = state.sampling_params.seed
+        assert seed is not None
+        generator.manual_seed(position_seed(seed, len(state.output_token_ids) + offset))
+        return generator
+
     @staticmethod
     def _logprobs_lists(
-        output: SamplerOutput, rows: list[CachedRequestState]
+        output: SamplerOutput,
+        rows: list[CachedRequestState],
+        kept: list[list[int]],
+        proposed: list[list[int]] | None = None,
     ) -> dict[str, LogprobsLists]:
+        """Logprobs of the tokens each request keeps: the rows of its first positions."""
         ids = output.logprob_token_ids.tolist()
         values = output.logprobs.tolist()
         ranks = output.sampled_token_ranks.tolist()
         result = {}
+        first = 0
         for i, state in enumerate(rows):
+            start, n = first, len(kept[i])
+            first += 1 + (len(proposed[i]) if proposed is not None else 0)
             k = state.sampling_params.logprobs
             if k is None:
                 continue
             result[state.req_id] = LogprobsLists(
-                token_ids=[ids[i][: k + 1]],
-                logprobs=[values[i][: k + 1]],
-                sampled_token_ranks=[ranks[i]],
+                token_ids=[row[: k + 1] for row in ids[start : start + n]],
+                logprobs=[row[: k + 1] for row in values[start : start + n]],
+                sampled_token_ranks=ranks[start : start + n],
             )
         return result

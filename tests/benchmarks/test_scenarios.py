@@ -522,3 +522,21 @@ def test_cpu_dtype_times_bf16_against_what_auto_picks(tmp_path):
     assert record["bfloat16"]["output_tokens"] == record["auto"]["output_tokens"] == 16
     assert min(record["matmul_gflops_2048x768x2048"].values()) > 0
     assert len(record["machine"]["load_average_1m"]) == 3  # at the start and after each run
+
+
+@pytest.mark.slow
+def test_spec_decode_times_guessing_against_none_by_how_often_guesses_are_right(tmp_path):
+    out = tmp_path / "spec_decode.json"
+    flags = ["--size", "tiny", "--concurrency", "1", "2", "--output-len", "24"]
+    run_script(
+        "spec_decode.py", *flags, "--compilation-level", "0", "--repeats", "1", "--out", str(out)
+    )
+    record = json.loads(out.read_text())
+    assert set(record["results"]) == {f"{w}/{c}" for w in ("copy", "cycle", "open") for c in (1, 2)}
+    for key, row in record["results"].items():
+        assert row["off"]["output_tokens"] == row["ngram"]["output_tokens"] == 24 * int(key[-1])
+        assert row["speedup"] > 0
+    # One allowed token: every guess is right, and the 24 tokens take a handful of steps.
+    copy = record["results"]["copy/1"]["ngram"]
+    assert copy["acceptance_rate"] == 1.0 and copy["steps"] <= 8
+    assert record["results"]["copy/1"]["off"]["steps"] == 24

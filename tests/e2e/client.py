@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -105,3 +106,42 @@ async def open_stream(client: httpx.AsyncClient, max_tokens: int, **extra) -> Ev
     response = await client.send(request, stream=True)
     assert response.status_code == 200, await response.aread()
     return EventStream(response)
+
+
+def chat_stream(base_url: str, body: dict) -> tuple[str, int]:
+    """A streamed chat completion's content, and how many content events carried it."""
+    text, events = [], 0
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/chat/completions",
+        json={"model": SERVED_NAME, **body, "stream": True},
+        headers=HEADERS,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                text.append(delta.get("content") or "")
+                events += 1
+    return "".join(text), events
+
+
+def close_streams_midway(base_url: str, streams: int = 4, **extra) -> None:
+    """Open streams of 480 tokens, read three events of each, close them all: each request
+    ends once (aborted, or at its length if every token was written before the server saw the
+    close), and the engine goes idle with every block free."""
+    finished_before = metric(base_url, "tidegate:request_success_total")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+            opened = [await open_stream(client, max_tokens=480, **extra) for _ in range(streams)]
+            for stream in opened:
+                for _ in range(3):
+                    assert await stream.next_event() is not None
+            for stream in opened:
+                await stream.response.aclose()
+
+    asyncio.run(run())
+    wait_idle(base_url)
+    assert metric(base_url, "tidegate:request_success_total") - finished_before == streams

@@ -5,14 +5,13 @@ cores (data parallel); aborted streams leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.client import HEADERS, metric, open_stream, wait_idle
+from tests.e2e.client import HEADERS, chat_stream, close_streams_midway
 from tests.e2e.conftest import SERVED_NAME, SHARED_SERVER_FLAGS
 from tests.e2e.server import ServerProcess
 
@@ -107,43 +106,11 @@ def test_async_chat_stream_equals_the_sync_servers(server, async_server):
         "messages": [{"role": "user", "content": "Tell me about the sea"}],
         "max_tokens": 40,
         "temperature": 0,
-        "stream": True,
     }
-
-    def stream_text(base_url: str) -> str:
-        text = []
-        with httpx.stream(
-            "POST",
-            f"{base_url}/v1/chat/completions",
-            json={"model": SERVED_NAME, **body},
-            headers=HEADERS,
-            timeout=60,
-        ) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"][0]["delta"]
-                    text.append(delta.get("content") or "")
-        return "".join(text)
-
-    assert stream_text(async_server.base_url) == stream_text(server.base_url)
+    assert chat_stream(async_server.base_url, body)[0] == chat_stream(server.base_url, body)[0]
 
 
 def test_closed_async_streams_free_every_block(async_server):
     """Streams closed while steps are in flight: each request ends once (aborted, or at its
     length if its tokens were all written before the server saw the close), none is held."""
-    finished_before = metric(async_server.base_url, "tidegate:request_success_total")
-
-    async def run() -> None:
-        async with httpx.AsyncClient(base_url=async_server.base_url, timeout=30) as client:
-            streams = [await open_stream(client, max_tokens=480) for _ in range(4)]
-            for stream in streams:
-                for _ in range(3):
-                    assert await stream.next_event() is not None
-            for stream in streams:
-                await stream.response.aclose()
-
-    asyncio.run(run())
-    wait_idle(async_server.base_url)
-    finished = metric(async_server.base_url, "tidegate:request_success_total")
-    assert finished - finished_before == 4
+    close_streams_midway(async_server.base_url)

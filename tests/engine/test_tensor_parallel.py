@@ -80,6 +80,19 @@ def test_two_ranks_generate_the_tokens_of_one(model, request):
         assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-3)
 
 
+def test_two_ranks_with_speculation_give_the_tokens_of_one_without(tiny_llama_dir):
+    """Rank 0 samples every guessed position and broadcasts; both ranks keep the same tokens
+    and take back the same guesses."""
+    from tests.engine.test_async_scheduling_model import assert_same_logprobs
+    from tests.engine.test_spec_decode_model import SPEC, generate
+
+    one, logprobs_one, _ = generate(tiny_llama_dir)
+    two, logprobs_two, stats = generate(tiny_llama_dir, tensor_parallel_size=2, **SPEC)
+    assert two == one
+    assert_same_logprobs(logprobs_one, logprobs_two)
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
 @pytest.mark.slow
 def test_two_ranks_with_async_scheduling_constrain_as_one_rank_does(tiny_llama_dir):
     """Worker processes cannot wait for a bitmask after a step starts: a constrained request

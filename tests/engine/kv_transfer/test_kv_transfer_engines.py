@@ -160,6 +160,37 @@ def test_async_producer_and_consumer_give_the_unified_tokens(
             engine.shutdown()
 
 
+def test_a_speculating_consumer_gives_the_unified_tokens(
+    engines: dict[str, EngineCore], tiny_llama_dir: Path
+) -> None:
+    """A decode pool with prompt lookup: its first step reads the pulled KV, and the guesses
+    it takes back never touch it."""
+    consumer = EngineCore(
+        engine_args(
+            tiny_llama_dir,
+            kv_role="consumer",
+            speculative_config={"num_speculative_tokens": 4},
+        )
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, allowed_token_ids=[5, 6, 7])
+    try:
+        for length in (17, 250):
+            prompt = make_prompt(length, offset=5 * length)
+            rid = f"s{length}"
+            expected = drive(engines["unified"], core_request(f"u{rid}", prompt, params))
+            pulled = prefill_remotely(engines["producer"], f"p{rid}", prompt)
+            got = drive(consumer, core_request(f"c{rid}", prompt, params, pulled))
+            assert got[f"c{rid}"]["tokens"] == expected[f"u{rid}"]["tokens"]
+        stats = consumer.stats()
+        assert stats["kv_transfer_fallbacks"] == 0 and stats["kv_received_bytes"] > 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+        producer = engines["producer"]
+        wait_until(lambda: producer.stats()["kv_pinned_blocks"] == 0, producer)
+        assert all_free(engines["producer"], consumer)
+    finally:
+        consumer.shutdown()
+
+
 def test_consumer_prefix_hits_are_not_pulled_again(engines: dict[str, EngineCore]) -> None:
     consumer = engines["consumer"]
     shared = make_prompt(96, offset=500)
