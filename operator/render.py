@@ -370,6 +370,12 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
             if limit.user_set:
                 values[limit.field] = limit.value
                 reasons[limit.field] = limit.reason
+    if spec.speculative_decoding is not None and tuning.role != "prefill":
+        # A prefill pod computes one token per request: nothing to guess.
+        values["speculative_config"] = spec.speculative_decoding.engine_config()
+        reasons["speculative_config"] = (
+            "spec.speculativeDecoding: each decode also checks the tokens prompt lookup guesses"
+        )
     for field, choice in tuning.engine_choices().items():
         values[field] = choice.value
         reasons[field] = choice.reason

@@ -296,6 +296,48 @@ def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
     return adapters
 
 
+LOOKUP_MIN_AT_MOST_MAX = (
+    "promptLookupMin must not exceed promptLookupMax: the suffixes looked up run from the "
+    "longest down to the shortest"
+)
+
+
+class SpeculativeDecodingSpec(SpecModel):
+    """Speculative decoding by prompt lookup (engine speculative_config), on the engines that
+    decode: unified, or decode in disaggregated mode."""
+
+    method: Literal["ngram"] = Field(
+        "ngram",
+        description="How tokens are guessed; ngram (prompt lookup) is the only one.",
+        json_schema_extra={"enum": ["ngram"]},
+    )
+    num_speculative_tokens: int = Field(
+        ge=1, le=16, description="Most tokens guessed for a request per step."
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest suffix of a request's tokens looked up."
+    )
+    prompt_lookup_min: int = Field(
+        3, ge=1, le=64, description="Shortest suffix of a request's tokens looked up."
+    )
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Guess nothing in a step when at least this many requests run.",
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeDecodingSpec:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(LOOKUP_MIN_AT_MOST_MAX)
+        return self
+
+    def engine_config(self) -> dict[str, Any]:
+        """The engine's speculative_config: vLLM's field names."""
+        return self.model_dump(exclude_none=True)
+
+
 class RoleSpec(SpecModel):
     """One engine pool; the optional fields override spec.parallelism and spec.scheduling."""
 
@@ -712,6 +754,9 @@ class LLMDeploymentSpec(SpecModel):
         description="LoRA adapters every engine serves beside the model; absent: LoRA is off.",
     )
     lora: LoRASpec | None = None
+    speculative_decoding: SpeculativeDecodingSpec | None = Field(
+        None, description="Speculative decoding by prompt lookup (engine speculative_config)"
+    )
     image: (
         Annotated[
             str,

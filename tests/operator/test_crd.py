@@ -43,6 +43,7 @@ from tidegate.operator.spec import (
     KEDA_NEEDS_PROMETHEUS,
     KIND,
     KV_ENCRYPTION_DISAGGREGATED_ONLY,
+    LOOKUP_MIN_AT_MOST_MAX,
     LORA_NEEDS_ADAPTERS,
     PLURAL,
     UNIFIED_ROUTER_NEEDS_ZERO,
@@ -310,6 +311,32 @@ INVALID = [
         {"adapters": [SQL], "lora": {"maxLoras": 4, "maxCpuLoras": 2}},
         f'spec.lora: Invalid value: "object": {CPU_LORAS_AT_LEAST_LORAS}',
         f"spec.lora: {CPU_LORAS_AT_LEAST_LORAS}",
+    ),
+    _row(
+        "speculative-lookup-min-above-max",
+        {"speculativeDecoding": {"numSpeculativeTokens": 4, "promptLookupMin": 5}},
+        f'spec.speculativeDecoding: Invalid value: "object": {LOOKUP_MIN_AT_MOST_MAX}',
+        f"spec.speculativeDecoding: {LOOKUP_MIN_AT_MOST_MAX}",
+    ),
+    _row(
+        "speculative-without-token-count",
+        {"speculativeDecoding": {"promptLookupMax": 4}},
+        "spec.speculativeDecoding.numSpeculativeTokens: Required value",
+        "spec.speculativeDecoding.numSpeculativeTokens: Field required",
+    ),
+    _row(
+        "speculative-draft-model-method",
+        {"speculativeDecoding": {"numSpeculativeTokens": 4, "method": "eagle"}},
+        'spec.speculativeDecoding.method: Unsupported value: "eagle": supported values: "ngram"',
+        "spec.speculativeDecoding.method: Input should be 'ngram'",
+    ),
+    _row(
+        "speculative-17-tokens",
+        {"speculativeDecoding": {"numSpeculativeTokens": 17}},
+        "spec.speculativeDecoding.numSpeculativeTokens: Invalid value: 17: "
+        "spec.speculativeDecoding.numSpeculativeTokens in body should be less than or equal "
+        "to 16",
+        "spec.speculativeDecoding.numSpeculativeTokens: Input should be less than or equal to 16",
     ),
     _row(
         "lora-rank-above-512",
@@ -1151,7 +1178,32 @@ def _with_gateway(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
     return st.one_of(st.just(spec), with_gateway, picker)
 
 
-_specs = _base_specs.flatmap(_with_autoscaling).flatmap(_with_adapters).flatmap(_with_gateway)
+# spec.speculativeDecoding: promptLookupMin drawn up to promptLookupMax (given, or its 4).
+_speculation = st.integers(1, 64).flatmap(
+    lambda longest: st.fixed_dictionaries(
+        {"numSpeculativeTokens": st.integers(1, 16)},
+        optional={
+            "method": st.just("ngram"),
+            "promptLookupMax": st.just(longest),
+            "promptLookupMin": st.integers(1, longest),
+            "disableByBatchSize": st.integers(1, 65536),
+        },
+    ).filter(lambda given: given.get("promptLookupMin", 3) <= given.get("promptLookupMax", 4))
+)
+
+
+def _with_speculation(spec: dict[str, Any]) -> st.SearchStrategy[dict]:
+    return st.one_of(
+        st.just(spec), _speculation.map(lambda given: {**spec, "speculativeDecoding": given})
+    )
+
+
+_specs = (
+    _base_specs.flatmap(_with_autoscaling)
+    .flatmap(_with_adapters)
+    .flatmap(_with_gateway)
+    .flatmap(_with_speculation)
+)
 
 # Any JSON scalar but an integral float (kubectl sends 2.0 as 2) and null (the apiserver drops
 # it; pydantic refuses it where a field has a non-null default).

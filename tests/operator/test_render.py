@@ -1969,3 +1969,47 @@ def test_setting_or_changing_the_tool_call_parser_rolls_the_engine_pods_not_the_
     for engine in ("llm-prefill", "llm-decode"):
         assert len({none[engine], hermes[engine], mistral[engine]}) == 3
     assert none["llm-router"] == hermes["llm-router"] == mistral["llm-router"]
+
+
+# --- speculative decoding (spec.speculativeDecoding) ------------------------------------------
+
+SPECULATIVE = {"numSpeculativeTokens": 5, "promptLookupMax": 3, "disableByBatchSize": 32}
+
+
+@pytest.mark.parametrize("topology", [{}, disaggregated()], ids=["unified", "disaggregated"])
+def test_speculation_reaches_the_engines_that_decode_and_the_engine_takes_it(
+    topology: dict[str, Any], tmp_path: Path
+) -> None:
+    spec = {"model": model(), "topology": topology, "speculativeDecoding": SPECULATIVE}
+    rendered = render_spec(spec)
+    decoding = {"decode", "unified"} & set(rendered.tuning.roles)
+    assert decoding
+    for role in rendered.tuning.roles:
+        text = config_map(rendered)["data"][f"{role}.yaml"]
+        if role not in decoding:
+            assert "speculative-config" not in role_config(rendered, role)  # one token each
+            continue
+        lines = text.splitlines()
+        (at,) = [i for i, line in enumerate(lines) if line.startswith("speculative-config:")]
+        assert lines[at - 1].startswith("# spec.speculativeDecoding: ")
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(text, encoding="utf-8")
+        values = load_config_file(str(path), [EngineArgs, ServerArgs])
+        engine = EngineArgs(**{k: v for k, v in values.items() if k in EngineArgs.model_fields})
+        assert engine.speculative_config is not None
+        assert engine.speculative_config.model_dump() == {
+            "method": "ngram",
+            "num_speculative_tokens": 5,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 3,
+            "disable_by_batch_size": 32,
+        }
+
+
+def test_turning_speculation_on_rolls_the_decoding_pods_only() -> None:
+    split = {"model": model(), "topology": disaggregated()}
+    before = hashes(split)
+    after = hashes(split | {"speculativeDecoding": {"numSpeculativeTokens": 4}})
+    assert before["llm-decode"] != after["llm-decode"]
+    assert before["llm-prefill"] == after["llm-prefill"]
+    assert before["llm-router"] == after["llm-router"]
