@@ -6,7 +6,8 @@ workload instead: greedy outputs restricted by allowed_token_ids to one token (`
 guess right, the upper bound), to three (`cycle`: the output falls into short cycles and
 some guesses are right), or not at all (`open`: guesses are almost never made, which
 measures what looking for them costs). Every step still runs the whole model and the full
-vocabulary's logits. The small Llama at the dtype auto picks, 128 random prompt tokens and 128
+vocabulary's logits. `--workloads json` runs structured output instead: an array of 8
+objects with the same keys, the guesses cut to what the grammar takes. The small Llama at the dtype auto picks, 128 random prompt tokens and 128
 output tokens per request, default compilation; the two engines alternate, median of
 --repeats. Writes a JSON record.
 
@@ -26,15 +27,36 @@ from pathlib import Path
 import torch
 from offline_throughput import make_prompts
 
-WORKLOADS = {"copy": [7], "cycle": [7, 8, 9], "open": None}
+WORKLOADS = {"copy": [7], "cycle": [7, 8, 9], "open": None, "json": None}
+# `json`: structured output, an array of 8 objects with the same two keys, which prompt lookup
+# guesses from the objects before (the random model fills in whitespace and values).
+ITEMS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    },
+    "minItems": 8,
+    "maxItems": 8,
+}
 
 
-def run(llm, prompts, output_len: int, allowed: list[int] | None) -> dict:
+def run(llm, prompts, output_len: int, workload: str) -> dict:
     from tidegate.engine import SamplingParams
+    from tidegate.engine.sampling_params import StructuredOutputsParams
 
-    params = SamplingParams(
-        temperature=0, max_tokens=output_len, ignore_eos=True, allowed_token_ids=allowed
-    )
+    if workload == "json":
+        constraint = StructuredOutputsParams(json=json.dumps(ITEMS))
+        params = SamplingParams(temperature=0, max_tokens=output_len, structured_outputs=constraint)
+    else:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=output_len,
+            ignore_eos=True,
+            allowed_token_ids=WORKLOADS[workload],
+        )
     before = llm.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -65,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--workloads", nargs="+", default=["copy", "cycle", "open"], choices=WORKLOADS
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -105,7 +129,7 @@ def main() -> None:
                         config.vocab_size, concurrency, args.input_len, 1000 * repeat + concurrency
                     )
                     for name, llm in engines.items():
-                        runs[name].append(run(llm, prompts, args.output_len, WORKLOADS[workload]))
+                        runs[name].append(run(llm, prompts, args.output_len, workload))
                         loads.append(os.getloadavg()[0])
                     assert runs["off"][-1]["outputs"] == runs["ngram"][-1]["outputs"], (
                         "speculation changed a greedy output"
@@ -134,6 +158,7 @@ def main() -> None:
             "output_len": args.output_len,
             "greedy": True,
             "allowed_token_ids": WORKLOADS,
+            "json_schema": ITEMS,
             "repeats": args.repeats,
             "compilation_level": args.compilation_level,
         },

@@ -5,9 +5,11 @@ A constrained request waits in WAITING_FOR_GRAMMAR until its grammar is compiled
 manager's thread, cached by schema); then it is scheduled like any other. Its matcher follows
 exactly its output tokens: each sampled token is accepted when the step's output is applied.
 Preemption recomputes a request's KV but keeps its tokens, so the matcher keeps its state
-(nothing in this engine drops a token once accepted, so nothing calls the matcher's
-`rollback`). Before a step samples, `fill_bitmask` writes which tokens each constrained row may
-take, and the sampler masks every other token in one batched op.
+(nothing in this engine drops a token once accepted). Before a step samples, `fill_bitmask`
+writes which tokens each constrained row may take, and the sampler masks every other token in
+one batched op. Speculative decoding walks a matcher through a request's guesses and back
+(`allowed_prefix` keeps the guesses the grammar takes; `fill_guessed_rows` gives each guessed
+position its row), so that between steps a matcher holds exactly the output tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tidegate.engine.sampling_params import StructuredOutputsParams
 from tidegate.engine.structured_output.backend import require_library
@@ -156,6 +160,42 @@ class RequestGrammar:
 
 def build_bitmask(compiler: GrammarCompiler, grammars: list[RequestGrammar | None]) -> bytes:
     """Each row's allowed next tokens, as GrammarBitmask.bitmask bytes (None: every token)."""
+    return bitmask_array(compiler, grammars).tobytes()
+
+
+def allowed_prefix(grammar: RequestGrammar, token_ids: list[int]) -> int:
+    """How many of token_ids, from the first, the grammar takes after the output so far (the
+    matcher goes through them and back)."""
+    assert grammar.matcher is not None
+    taken = 0
+    for token_id in token_ids:
+        if not grammar.matcher.accept_token(token_id):
+            break
+        taken += 1
+    grammar.matcher.rollback(taken)
+    return taken
+
+
+def fill_guessed_rows(
+    bitmask: np.ndarray, rows: list[int], grammar: RequestGrammar, guesses: list[int]
+) -> None:
+    """Speculative decoding: row rows[j] of `bitmask` gets what may follow the output and the
+    first j + 1 guesses (which the grammar took when they were scheduled)."""
+    matcher = grammar.matcher
+    assert matcher is not None
+    taken = 0
+    try:
+        for row, guess in zip(rows, guesses, strict=True):
+            if not matcher.accept_token(guess):
+                raise RuntimeError(f"guess {guess} no longer fits its grammar")
+            taken += 1
+            matcher.fill_bitmask(bitmask, row)
+    finally:
+        matcher.rollback(taken)
+
+
+def bitmask_array(compiler: GrammarCompiler, grammars: list[RequestGrammar | None]) -> np.ndarray:
+    """build_bitmask's rows as int32 words [rows, words]."""
     manager = compiler.manager
     bitmask = manager.allocate_bitmask(len(grammars))  # every token allowed until filled
     live = [i for i, g in enumerate(grammars) if g is not None]
@@ -165,4 +205,4 @@ def build_bitmask(compiler: GrammarCompiler, grammars: list[RequestGrammar | Non
         rows = manager.allocate_bitmask(len(live))
         manager.fill_bitmasks([grammars[i].matcher for i in live], rows)
         bitmask[live] = rows
-    return bitmask.tobytes()
+    return bitmask

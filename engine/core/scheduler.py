@@ -20,7 +20,14 @@ from tidegate.engine.core.chunk_tuner import (
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.kv_coordinator import KVTransferCoordinator
 from tidegate.engine.core.request import Request, RequestStatus
-from tidegate.engine.core.request_grammar import GrammarCompiler, RequestGrammar, build_bitmask
+from tidegate.engine.core.request_grammar import (
+    GrammarCompiler,
+    RequestGrammar,
+    allowed_prefix,
+    bitmask_array,
+    build_bitmask,
+    fill_guessed_rows,
+)
 from tidegate.engine.core.request_queue import Tenant, WaitingQueue, waiting_queue
 from tidegate.engine.core.step_budget import StepBudget, StepLimits
 from tidegate.engine.kv_transfer.base import KVConnectorScheduler
@@ -424,7 +431,10 @@ class Scheduler:
             if budget.tokens_left <= 0:
                 break
             rid = request.request_id
-            if scheduled.get(rid) != 1 or request.grammar is not None or not _is_decoding(request):
+            if scheduled.get(rid) != 1 or not _is_decoding(request):
+                continue
+            grammar = request.grammar
+            if grammar is not None and (grammar.matcher is None or grammar.is_terminated):
                 continue
             # The token after the last guess is sampled too: it must fit as well.
             room = min(
@@ -445,6 +455,11 @@ class Scheduler:
                 record.shadow = guesses[0]  # judged against the token this step samples
                 continue
             guesses = guesses[:worth]
+            if grammar is not None:
+                # Only guesses the grammar takes: the sampler would mask the others anyway.
+                guesses = guesses[: allowed_prefix(grammar, guesses)]
+                if not guesses:
+                    continue
             num_tokens = request.num_computed_tokens + 1 + len(guesses)
             needed = -(-num_tokens // self.block_size) - kv.num_held_blocks(rid)
             if needed > 0 and kv.num_free_blocks - needed < len(self.running):
@@ -519,32 +534,54 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples its next token
         self._last_mix = StepMix(num_decodes, total - num_decodes, pairs, keys)
         if grammar_rows:
-            output.grammar = self._grammar_bitmask(grammar_rows)
+            output.grammar = self._grammar_bitmask(grammar_rows, proposals)
         self.num_steps += 1
         return output
 
-    def _grammar_bitmask(self, rows: list[Request]) -> GrammarBitmask:
-        """The step's bitmask message, filled now unless a token it depends on is in flight."""
+    def _grammar_bitmask(
+        self, rows: list[Request], proposals: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask:
+        """The step's bitmask message, filled now unless a token it depends on is in flight.
+        A request with guesses has a row per position it samples, in order (its id repeated).
+        """
         assert self.grammar is not None
-        message = GrammarBitmask(
-            req_ids=[r.request_id for r in rows], words=bitmask_words(self.grammar.vocab_size)
-        )
+        proposals = proposals or {}
+        req_ids = [
+            r.request_id for r in rows for _ in range(1 + len(proposals.get(r.request_id, ())))
+        ]
+        message = GrammarBitmask(req_ids=req_ids, words=bitmask_words(self.grammar.vocab_size))
         # This step's own placeholder is already counted: more than one means an earlier step.
         if all(r.num_output_placeholders <= int(self.async_scheduling) for r in rows):
-            message.bitmask = self.fill_grammar_bitmask(message)
+            message.bitmask = self.fill_grammar_bitmask(message, proposals)
         return message
 
-    def fill_grammar_bitmask(self, message: GrammarBitmask) -> bytes:
+    def fill_grammar_bitmask(
+        self, message: GrammarBitmask, proposals: dict[str, list[int]] | None = None
+    ) -> bytes:
         """The rows of a step's bitmask from the matchers as they are now (every earlier step
         applied); a request that finished meanwhile gets a row that allows everything (its
-        token is dropped)."""
+        token is dropped). A request's later rows (its guessed positions) come from its
+        matcher taken through the guesses before them."""
         assert self.grammar is not None
-        grammars = []
-        for req_id in message.req_ids:
+        grammars: list[RequestGrammar | None] = []
+        guessed_rows: dict[str, list[int]] = {}
+        for row, req_id in enumerate(message.req_ids):
             request = self.requests.get(req_id)
             live = request is not None and request.grammar is not None
-            grammars.append(request.grammar if live and not request.grammar.is_terminated else None)
-        return build_bitmask(self.grammar, grammars)
+            grammar = request.grammar if live and not request.grammar.is_terminated else None
+            if row > 0 and message.req_ids[row - 1] == req_id:
+                guessed_rows.setdefault(req_id, []).append(row)
+                grammar = None  # filled below
+            grammars.append(grammar)
+        if not guessed_rows:
+            return build_bitmask(self.grammar, grammars)
+        bitmask = bitmask_array(self.grammar, grammars)
+        for req_id, rows in guessed_rows.items():
+            request = self.requests.get(req_id)
+            guesses = (proposals or {}).get(req_id, [])
+            if request is not None and request.grammar is not None and len(guesses) == len(rows):
+                fill_guessed_rows(bitmask, rows, request.grammar, guesses)
+        return bitmask.tobytes()
 
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar compiled; refuses the request if it did not."""

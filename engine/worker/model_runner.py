@@ -386,8 +386,16 @@ class ModelRunner:
         data = grammar.bitmask
         if data is None:
             data = self.deferred_bitmasks.get()  # the engine core fills it meanwhile
-        position = {state.req_id: i for i, state in enumerate(rows)}
-        indices = [position.get(req_id, -1) for req_id in grammar.req_ids]
+        # A request's rows of logits in order; its id comes once per row in the bitmask too.
+        positions: dict[str, list[int]] = {}
+        for i, state in enumerate(rows):
+            positions.setdefault(state.req_id, []).append(i)
+        taken: dict[str, int] = {}
+        indices = []
+        for req_id in grammar.req_ids:
+            of_request, k = positions.get(req_id, []), taken.get(req_id, 0)
+            taken[req_id] = k + 1
+            indices.append(of_request[k] if k < len(of_request) else -1)
         bitmask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(-1, grammar.words)
         keep = [i for i, row in enumerate(indices) if row >= 0]
         if len(keep) < len(indices):  # a row that does not sample this step (cannot happen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from tidegate.engine.config import SpeculativeConfig
 from tidegate.engine.core.kv_cache_manager import KVCacheManager
 from tidegate.engine.core.request import Request
 from tidegate.engine.core.scheduler import Scheduler
@@ -25,6 +26,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     caching: bool = True,
     phased: bool = False,
+    speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     limits = StepLimits(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -35,7 +37,11 @@ def make_scheduler(
         max_model_len=max_model_len,
         phased=phased,
     )
-    return Scheduler(limits, KVCacheManager(num_blocks, block_size, enable_caching=caching))
+    return Scheduler(
+        limits,
+        KVCacheManager(num_blocks, block_size, enable_caching=caching),
+        speculative=speculative,
+    )
 
 
 def make_request(req_id: str, num_prompt: int, max_tokens: int = 8, base: int = 100) -> Request:

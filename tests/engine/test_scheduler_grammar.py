@@ -9,9 +9,11 @@ from concurrent.futures import Future
 import numpy as np
 
 from tests.engine.test_scheduler import EOS, make_scheduler
+from tidegate.engine.config import SpeculativeConfig
 from tidegate.engine.core.request import Request, RequestStatus
 from tidegate.engine.messages import ModelRunnerOutput, SchedulerOutput
 from tidegate.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tidegate.engine.spec_decode.verify import accepted_tokens
 
 VOCAB = 64
 
@@ -240,3 +242,60 @@ def test_a_producer_does_not_compile_the_grammar_its_consumer_applies():
     request.kv_transfer = parse_kv_transfer_params({"do_remote_decode": True})
     scheduler.add_request(request)
     assert compiler.pending == [] and request.grammar is None
+
+
+# -- speculative decoding ------------------------------------------------------------------
+
+
+def allowed_tokens(row: np.ndarray) -> list[int]:
+    return [t for t in range(VOCAB) if (int(row[t // 32]) >> (t % 32)) & 1]
+
+
+def run_guessing(out: SchedulerOutput, scheduler) -> ModelRunnerOutput:
+    """As the runner: sample each position's lowest allowed token (its row of the bitmask, in
+    order), keep the guesses that match."""
+    rows: dict[str, list[np.ndarray]] = {}
+    if out.grammar is not None:
+        bits = np.frombuffer(out.grammar.bitmask, dtype=np.int32).reshape(-1, out.grammar.words)
+        for req_id, row in zip(out.grammar.req_ids, bits, strict=True):
+            rows.setdefault(req_id, []).append(row)
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        guesses = out.scheduled_spec_decode_tokens.get(req_id, [])
+        assert len(rows.get(req_id, [])) == 1 + len(guesses)
+        tokens = [allowed_tokens(row)[0] for row in rows[req_id]]
+        sampled.append(accepted_tokens(tokens, [guesses])[0])
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def test_guesses_stop_where_the_grammar_does_and_each_position_gets_its_own_row():
+    """The grammar takes one sequence, whose start repeats: prompt lookup guesses its
+    continuation from the output so far, the guesses past what the grammar takes are never
+    made, and every guessed position's row allows exactly the token the grammar expects there."""
+    sequence = [30, 31, 32, 30, 31, 32, 30, 31, 40, 41]
+    compiler = FakeCompiler()
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    scheduler = scheduler_with(compiler, speculative=spec)
+    scheduler.add_request(constrained("c", sequence, max_tokens=20))
+    scheduler.schedule()  # waits for its grammar
+    compiler.finish_all()
+    outputs: list[int] = []
+    guessed: list[list[int]] = []
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        guessed.append(out.scheduled_spec_decode_tokens.get("c", []))
+        for output in scheduler.update_from_output(out, run_guessing(out, scheduler)):
+            outputs.extend(output.new_token_ids)
+            matcher = compiler.manager.matchers[0]
+            # Back where the output is after every step (a stop token ends the request first).
+            assert matcher.accepted == [t for t in outputs if t != EOS]
+    assert outputs == [*sequence, EOS]
+    # After 30 31 32 30 31, prompt lookup proposes 32 30 31 32 (what followed "30 31" the
+    # first time, copied on); the grammar leaves the cycle for 40 there, so the fourth guess
+    # is never made. All three are kept, and 40 with them.
+    assert [32, 30, 31] in guessed
+    assert all(len(guesses) < 4 for guesses in guessed)
+    assert scheduler.num_spec_accepted_tokens == 3

@@ -6,6 +6,10 @@ take a decode's budget."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+
 import pytest
 
 from tests.engine.test_async_scheduling_model import PROMPTS as ASYNC_PROMPTS
@@ -192,19 +196,66 @@ def test_guesses_take_only_the_budget_decodes_leave(tiny_llama_dir):
         core.shutdown()
 
 
-def test_constrained_requests_get_no_guesses_and_stay_valid(tiny_llama_dir):
-    regex = "(ab){20}"
-    with LLM(str(tiny_llama_dir), dtype="float32", **SPEC) as llm:
-        out = llm.generate(
-            ["Say ab twenty times"],
-            SamplingParams(
-                temperature=0,
-                max_tokens=120,
-                structured_outputs=StructuredOutputsParams(regex=regex),
-            ),
-        )[0].outputs[0]
-        assert llm.stats()["spec_decode_num_drafts"] == 0
-    assert out.text == "ab" * 20
+ITEMS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["x", "ok"],
+        "additionalProperties": False,
+    },
+    "minItems": 6,
+    "maxItems": 6,
+}
+CONSTRAINED = [
+    ("Say ab twenty times", SamplingParams(temperature=0, max_tokens=120), {"regex": "(ab){20}"}),
+    (
+        "Letters:",
+        SamplingParams(temperature=1.0, seed=4, max_tokens=120),
+        {"regex": "[a-c]{40}"},
+    ),
+    ("Items:", SamplingParams(temperature=0, max_tokens=200), {"json": json.dumps(ITEMS)}),
+    (
+        "Query:",
+        SamplingParams(temperature=0.8, seed=2, max_tokens=200),
+        {"grammar": 'root ::= "SELECT " name (", " name)* " FROM t"\nname ::= [a-d] [a-d]?\n'},
+    ),
+]
+
+
+def generate_constrained(model_dir, backend: str, **engine_args) -> tuple[list[str], dict]:
+    prompts = [prompt for prompt, _, _ in CONSTRAINED]
+    params = [
+        dataclasses.replace(p, structured_outputs=StructuredOutputsParams(**constraint))
+        for _, p, constraint in CONSTRAINED
+    ]
+    with LLM(
+        str(model_dir), dtype="float32", structured_outputs_backend=backend, **engine_args
+    ) as llm:
+        outputs = llm.generate(prompts, params)
+        stats = llm.stats()
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs], stats
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_constrained_outputs_with_guesses_equal_those_without(tiny_llama_dir, backend):
+    """Guesses a grammar forbids are never made; each guessed position samples under the
+    grammar as it stands after the guesses before it; the matchers end where the output does."""
+    expected, _ = generate_constrained(tiny_llama_dir, backend)
+    got, stats = generate_constrained(tiny_llama_dir, backend, **SPEC)
+    assert got == expected
+    texts, reasons = zip(*got, strict=True)
+    assert texts[0] == "ab" * 20
+    assert re.fullmatch("[a-c]{40}", texts[1])
+    assert re.fullmatch("SELECT [a-d]{1,2}(, [a-d]{1,2})* FROM t", texts[3])
+    assert reasons[:2] == ("stop", "stop") and reasons[3] == "stop"
+    # JSON lets the random model write whitespace for ever: it may run to max_tokens, but
+    # never out of the schema.
+    if reasons[2] == "stop":
+        assert len(json.loads(texts[2])) == 6
+    else:
+        assert texts[2].lstrip().startswith("[")
+    assert stats["spec_decode_num_accepted_tokens"] > 10
 
 
 def generate_with_adapters(model_dir, adapters: dict, **engine_args) -> tuple[list, dict]:
