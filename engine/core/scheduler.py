@@ -76,8 +76,9 @@ class Scheduler:
 
     With `speculative` decoding, a decode that has budget and blocks left after every other
     request is served also computes the tokens prompt lookup guesses will follow, as many as
-    its guesses so far say are worth it (`_schedule_proposals`, engine/spec_decode/); `update_from_output` takes back the computed count of the guesses
-    the runner did not accept, so their KV is computed again with the real tokens.
+    its guesses so far say are worth it (`_schedule_proposals`, engine/spec_decode/).
+    `update_from_output` takes back the computed count of the guesses the runner did not
+    keep, so their KV is computed again from the real tokens.
 
     With pipeline parallelism only the last stage samples, so a request with a token in flight
     waits for it, and each plan tells the earlier stages the sampled tokens it reads

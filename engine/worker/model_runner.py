@@ -306,7 +306,9 @@ class ModelRunner:
             # A sampling request has a row of logits per position it samples at.
             logit_rows = sampling
             if proposed is not None:
-                logit_rows = [s for s, p in zip(sampling, proposed, strict=True) for _ in [*p, 0]]
+                logit_rows = [
+                    s for s, p in zip(sampling, proposed, strict=True) for _ in range(len(p) + 1)
+                ]
             grammar = self._grammar_rows(so.grammar, logit_rows, logits.device)
             output, tokens = self._sample_on_rank_0(logits, sampling, grammar, proposed)
             if proposed is None:
