@@ -126,6 +126,10 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
+    def head(self, n: int) -> LogprobsLists:
+        """The entries of the first n tokens (a step's tokens past a stop are dropped)."""
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.sampled_token_ranks[:n])
+
 
 class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens of one step; requests still mid-prefill get an empty list."""

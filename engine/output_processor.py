@@ -122,11 +122,7 @@ class OutputProcessor:
                 n = state.detokenizer.num_decoded
                 new_token_ids = new_token_ids[:n]
                 if new_logprobs is not None:
-                    new_logprobs = LogprobsLists(
-                        new_logprobs.token_ids[:n],
-                        new_logprobs.logprobs[:n],
-                        new_logprobs.sampled_token_ranks[:n],
-                    )
+                    new_logprobs = new_logprobs.head(n)
             completion.token_ids.extend(new_token_ids)
             state.output.num_cached_tokens = out.num_cached_tokens
             if out.kv_transfer_params is not None:

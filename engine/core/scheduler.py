@@ -39,7 +39,6 @@ from tidegate.engine.messages import (
     KVEvent,
     KVRecvDone,
     KVRelease,
-    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -809,11 +808,7 @@ class Scheduler:
                     break
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.token_ids) > len(new_token_ids):
-                # Tokens past a stop are dropped, and so are their logprobs.
-                n = len(new_token_ids)
-                logprobs = LogprobsLists(
-                    logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.sampled_token_ranks[:n]
-                )
+                logprobs = logprobs.head(len(new_token_ids))  # tokens past a stop are dropped
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, serving
 
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
@@ -31,8 +31,4 @@ def server(
 ) -> Iterator[ServerProcess]:
     """`tidegate serve` on the tiny Llama, with an API key and vLLM metric names."""
     proc = ServerProcess(tiny_llama_dir, tmp_path_factory.mktemp("logs"), *SHARED_SERVER_FLAGS)
-    try:
-        yield proc.wait_healthy()
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
+    yield from serving(proc)

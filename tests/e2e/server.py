@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,16 @@ class ServerProcess(LocalServer):
 
     def wait_exit(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)
+
+
+def serving(proc: ServerProcess) -> Iterator[ServerProcess]:
+    """A server fixture's body (`yield from serving(...)`): the server once healthy; then it is
+    stopped, and must have exited 0 on SIGTERM."""
+    try:
+        yield proc.wait_healthy()
+    finally:
+        code = proc.stop()
+        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
 
 
 def rendered_config(resource: dict[str, Any], role: str, directory: Path) -> Path:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.client import HEADERS, chat_stream, close_streams_midway
 from tests.e2e.conftest import SERVED_NAME, SHARED_SERVER_FLAGS
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, serving
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,7 @@ def async_server(
         "--data-parallel-size-local",
         "2",
     )
-    try:
-        yield proc.wait_healthy()
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
+    yield from serving(proc)
 
 
 def post(base_url: str, path: str, body: dict) -> dict:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.client import HEADERS, open_stream
 from tests.e2e.conftest import CLIENT_FLAGS, SERVED_NAME
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, serving
 
 PROMPTS = ["The tide comes in and", "Once upon a time", "A harbour at night", "Salt and"]
 
@@ -52,12 +52,7 @@ def start_dp_server(model_dir: Path, log_dir: Path) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    proc = start_dp_server(tiny_llama_dir, tmp_path_factory.mktemp("dp-logs"))
-    try:
-        yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
+    yield from serving(start_dp_server(tiny_llama_dir, tmp_path_factory.mktemp("dp-logs")))
 
 
 def test_two_engine_cores_run_as_named_processes(dp_server):

@@ -12,7 +12,7 @@ import pytest
 
 from tests.e2e.client import chat_stream, close_streams_midway, metric
 from tests.e2e.conftest import SHARED_SERVER_FLAGS
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, serving
 from tests.e2e.test_async_scheduling_serve import choices, post
 
 
@@ -28,11 +28,7 @@ def spec_server(
         "--speculative-config",
         json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}),
     )
-    try:
-        yield proc.wait_healthy()
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
+    yield from serving(proc)
 
 
 # allowed_token_ids (vLLM's extra field) makes outputs repeat, so that guesses are made and

@@ -17,7 +17,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, serving
 
 KEY = "sk-structured-71c2"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -79,11 +79,7 @@ def server(
         "--data-parallel-size-local",
         "2",
     )
-    try:
-        yield proc.wait_healthy()
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code} after SIGTERM:\n{proc.log()}"
+    yield from serving(proc)
 
 
 def bounded(schema):
