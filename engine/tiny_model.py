@@ -1,5 +1,5 @@
-"""Write a deterministic random-weight model folder for tests and demos: Llama, Qwen2, Qwen3,
-or the mixture-of-experts Qwen3-MoE and Mixtral.
+"""Write a deterministic random-weight model folder for tests and demos: Llama, Mistral (with
+a sliding window), Qwen2, Qwen3, Gemma 3, or the mixture-of-experts Qwen3-MoE and Mixtral.
 
 The folder is a normal Hugging Face model (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json), so transformers loads it
@@ -109,7 +109,11 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# config.json's model_type where it is not the --arch name.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # What each architecture adds to the shape of SIZES, by size. Qwen3's heads are wider than
 # hidden_size / heads (as Qwen3's own: 128-wide heads on 1,024 hidden features in the 0.6B).
 # Qwen3-MoE's first layer stays dense (mlp_only_layers), so both kinds of layer are tested.
@@ -133,6 +137,25 @@ _ARCH_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
+        },
+    },
+    # Sliding windows shorter than the tests' prompts, not a multiple of the block size, so
+    # windows start mid-block: every layer of Mistral, Gemma 3's by its layer_types.
+    "mistral": {"tiny": {"sliding_window": 40}, "small": {"sliding_window": 256}},
+    # Gemma 3: a scale that is not head_dim's, and a final logit cap (Gemma 2's; Gemma 3's
+    # configuration class takes it too), so both paths are exercised.
+    "gemma3": {
+        "tiny": {
+            "head_dim": 64,
+            "query_pre_attn_scalar": 48,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0,
+        },
+        "small": {
+            "sliding_window": 256,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "query_pre_attn_scalar": 64,
         },
     },
     # Mixtral's intermediate_size is each expert's.
@@ -208,14 +231,15 @@ def _config(
     shape.update(_ARCH_SHAPES.get(arch, {}).get(size, {}))
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         **shape,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_scaling": rope_scaling,
-        # Tiny Qwen2 and Qwen3 exercise tied embeddings; the others keep a separate lm_head.
+        # Tiny Qwen2 and Qwen3 exercise tied embeddings; the others keep a separate lm_head
+        # (Gemma ties it; here the untied head keeps random generations varied, see below).
         "tie_word_embeddings": arch in ("qwen2", "qwen3"),
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -228,6 +252,29 @@ def _config(
         config.update(attention_bias=False, mlp_bias=False)
     elif arch == "mixtral":
         config.update(sliding_window=None)
+    elif arch == "mistral":
+        pass
+    elif arch == "gemma3":
+        # Gemma names its activation hidden_activation and keys RoPE by layer type: the
+        # sliding layers' local base frequency differs from the full layers'.
+        del config["hidden_act"], config["rope_theta"], config["rope_scaling"]
+        layer_types = config["layer_types"]
+        if len(layer_types) != config["num_hidden_layers"]:  # a pattern to repeat
+            config["layer_types"] = [
+                layer_types[i % len(layer_types)] for i in range(config["num_hidden_layers"])
+            ]
+        full = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        if rope_scaling:
+            full.update(rope_scaling)
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            attention_bias=False,
+            attn_logit_softcapping=None,
+        )
     else:
         config.update(
             use_sliding_window=False,
@@ -253,12 +300,20 @@ def _random_weights(
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return normal(out_features, in_features, std=GAIN / math.sqrt(in_features))
 
+    gemma = config["model_type"] == "gemma3_text"
+
     def norm(size: int = hidden) -> torch.Tensor:
-        return (1.0 + normal(size, std=0.1)).to(dtype)
+        # Gemma stores an RMSNorm's weight as w - 1.
+        return (float(not gemma) + normal(size, std=0.1)).to(dtype)
 
     # Which layers have experts, how many and how wide: as the engine reads config.json.
     model = ModelConfig.from_dict(config)
-    weights = {"model.embed_tokens.weight": linear(config["vocab_size"], hidden)}
+    embedding = linear(config["vocab_size"], hidden)
+    if gemma:
+        # Gemma multiplies the embedding by sqrt(hidden): drawn as large as the others', each
+        # token's own embedding would swamp the residual stream, and generations repeat it.
+        embedding /= math.sqrt(hidden)
+    weights = {"model.embed_tokens.weight": embedding}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = norm()
@@ -266,11 +321,14 @@ def _random_weights(
             weights[f"{p}self_attn.{name}_proj.weight"] = linear(out_features, hidden)
             if config["model_type"] == "qwen2":
                 weights[f"{p}self_attn.{name}_proj.bias"] = normal(out_features, std=0.1)
-        if config["model_type"] in ("qwen3", "qwen3_moe"):
+        if config["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             weights[p + "self_attn.q_norm.weight"] = norm(config["head_dim"])
             weights[p + "self_attn.k_norm.weight"] = norm(config["head_dim"])
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
         weights[p + "post_attention_layernorm.weight"] = norm()
+        if gemma:
+            weights[p + "pre_feedforward_layernorm.weight"] = norm()
+            weights[p + "post_feedforward_layernorm.weight"] = norm()
         weights.update(_mlp_weights(config, model, i, linear))
     weights["model.norm.weight"] = norm()
     if not config["tie_word_embeddings"]:

@@ -159,6 +159,18 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mistral folder: every layer a 40-token sliding window."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), arch="mistral", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 folder: a 24-token sliding-window layer, then a full-attention one."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3", size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Mixtral folder: four experts per layer, two per token (block_sparse_moe names)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral", size="tiny")

@@ -68,6 +68,11 @@ STANDARD_KV_LAYOUT = KVLayout()
 class AttentionBackend(Protocol):
     """What every backend (torch, triton, cpu) provides; the model calls only these two.
 
+    `attend`'s `sliding_window` is the calling layer's own, since layers of one model may
+    differ (Gemma 3 windows five layers in six): with W > 0 the token at position p sees only
+    keys at positions p - W < k <= p (W keys, itself included), as Hugging Face's masks
+    define it; 0 means full causal attention.
+
     `cuda_graph_safe`: during a step the backend reads only device tensors of the metadata
     (never its host copies or a device value synced to the host), so a CUDA graph captured
     with one metadata object stays right when the buffers behind it change.
@@ -96,4 +101,5 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         softmax_scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

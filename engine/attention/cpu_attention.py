@@ -78,7 +78,7 @@ def load_cpu_kernels() -> None:
 
     # What torch.compile traces layer_attention as: an opaque op with the query's shape.
     @torch.library.register_fake("tidegate_cpu::layer_attention")
-    def _(query, key, value, layer, scale):
+    def _(query, key, value, layer, scale, sliding_window):
         return torch.empty_like(query)
 
 
@@ -237,7 +237,9 @@ class CpuAttentionBackend:
     it faster than the kernel's vector loops (benchmarks/cpu_attention.py): in bf16 as flash
     attention on brgemm straight from the packed tiles, in other dtypes as SDPA over its
     context gathered into the standard order (paged_attention.cpp, attend_long_chunks).
-    `max_kernel_query_len` 0 sends every chunk to the kernel.
+    `max_kernel_query_len` 0 sends every chunk to the kernel. So does a call with a sliding
+    window: the oneDNN and SDPA paths have none, and the window is per call (per layer), so
+    one backend serves windowed and full layers alike.
 
     The caches are in the packed layout (`kv_layout`, module docstring) that the kernel reads.
     """
@@ -246,15 +248,10 @@ class CpuAttentionBackend:
     cuda_graph_safe = False  # a CPU backend: there are no CUDA graphs to capture
     kv_layout = PACKED_KV_LAYOUT
 
-    def __init__(
-        self, sliding_window: int | None = None, max_kernel_query_len: int | None = None
-    ) -> None:
+    def __init__(self, max_kernel_query_len: int | None = None) -> None:
         load_cpu_kernels()
-        self.sliding_window = sliding_window or 0
         if max_kernel_query_len is None:
             max_kernel_query_len = default_max_kernel_query_len()
-        if self.sliding_window:
-            max_kernel_query_len = 0  # the SDPA path has no window: the kernel does it all
         self.max_kernel_query_len = max_kernel_query_len
 
     def write_kv(
@@ -277,8 +274,12 @@ class CpuAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         softmax_scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
-        """Causal attention of each new token over its sequence's cached keys."""
+        """Causal attention of each new token over its sequence's cached keys (only the last
+        `sliding_window` of them, itself included, when > 0)."""
+        # The long-chunk path has no window: the op sends a windowed call's chunks all to
+        # the kernel.
         return torch.ops.tidegate_cpu.attend(
             query,
             k_cache,
@@ -288,7 +289,7 @@ class CpuAttentionBackend:
             meta.block_table[: meta.num_seqs],
             meta.num_tokens,
             softmax_scale,
-            self.sliding_window,
+            sliding_window,
             self.max_kernel_query_len,
         )
 
@@ -296,7 +297,8 @@ class CpuAttentionBackend:
 
     @property
     def layer_op(self):
-        """write_kv then attend for one layer, in C++, over the step set by begin_step."""
+        """write_kv then attend for one layer, in C++, over the step set by begin_step:
+        (query, key, value, layer, scale, sliding_window) -> out."""
         return torch.ops.tidegate_cpu.layer_attention
 
     def begin_step(
@@ -310,7 +312,6 @@ class CpuAttentionBackend:
             meta.seq_lens_cpu[: meta.num_seqs],
             meta.block_table[: meta.num_seqs],
             meta.slot_mapping[: meta.num_tokens],
-            self.sliding_window,
             self.max_kernel_query_len,
         )
 

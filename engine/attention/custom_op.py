@@ -2,12 +2,14 @@
 
 The backends read per-step metadata (host copies of sequence lengths, Python loops over
 prefill chunks) that a compiled graph would either specialise on, recompiling every step, or
-fail to trace. So the model calls `paged_attention(q, k, v, layer, scale)`: eagerly it is a
-plain call; under torch.compile it is the custom op `tidegate::paged_attention`, which the
-compiler treats as a black box with a known output shape (piecewise compilation, as vLLM's
-`unified_attention`). The step's metadata, KV caches and backend are not op arguments: the
-model sets them for the duration of one forward with `attention_context(...)`, and the op
-looks them up, so the compiled graph sees only the token-sized q/k/v.
+fail to trace. So the model calls `paged_attention(q, k, v, layer, scale, sliding_window)`:
+eagerly it is a plain call; under torch.compile it is the custom op `tidegate::paged_attention`,
+which the compiler treats as a black box with a known output shape (piecewise compilation, as
+vLLM's `unified_attention`). The step's metadata, KV caches and backend are not op arguments:
+the model sets them for the duration of one forward with `attention_context(...)`, and the op
+looks them up, so the compiled graph sees only the token-sized q/k/v. The sliding window (0:
+none) is an argument, not part of the context, because it is the layer's own: one step serves
+windowed and full layers alike (Gemma 3).
 
 A backend may also do a whole layer in one op of its own (`layer_op`, the `cpu` backend's
 C++ op): it then gets the step's caches and metadata through `begin_step` when the context
@@ -60,23 +62,34 @@ def attention_context(
 
 
 def layer_attention_op(backend: AttentionBackend):
-    """The backend's op for a whole layer (q, k, v, layer, scale) -> out, or None: then the
-    model calls `paged_attention`."""
+    """The backend's op for a whole layer (q, k, v, layer, scale, sliding_window) -> out, or
+    None: then the model calls `paged_attention`."""
     return getattr(backend, "layer_op", None)
 
 
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Write this layer's new keys/values to its cache, then attend; [T, H, D] out."""
+    """Write this layer's new keys/values to its cache, then attend (only the last
+    `sliding_window` keys when > 0); [T, H, D] out."""
     if torch.compiler.is_compiling():
-        return torch.ops.tidegate.paged_attention(query, key, value, layer, scale)
-    return _paged_attention(query, key, value, layer, scale)
+        return torch.ops.tidegate.paged_attention(query, key, value, layer, scale, sliding_window)
+    return _paged_attention(query, key, value, layer, scale, sliding_window)
 
 
 @torch.library.custom_op("tidegate::paged_attention", mutates_args=())
 def _paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int,
 ) -> torch.Tensor:
     # The cache write is a side effect the compiler never sees: nothing in the graph reads
     # the caches, and this op's output (which depends on the write) keeps it from being dropped.
@@ -84,9 +97,16 @@ def _paged_attention(
         raise RuntimeError("paged_attention called outside attention_context(...)")
     k_cache, v_cache = _context.kv_caches[layer]
     _context.backend.write_kv(key, value, k_cache, v_cache, _context.meta)
-    return _context.backend.attend(query, k_cache, v_cache, _context.meta, scale)
+    return _context.backend.attend(query, k_cache, v_cache, _context.meta, scale, sliding_window)
 
 
 @_paged_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int,
+):
     return torch.empty_like(query)

@@ -33,16 +33,18 @@
 //   gather_kv(k_cache, v_cache, block_ids, seq_len) -> (keys, values), [kv_heads, seq_len,
 //     head_dim] each: a sequence's context in the standard order, for SDPA
 //   begin_step(k_caches, v_caches, query_start_loc, seq_lens, block_table, slot_mapping,
-//              sliding_window, max_query_len), end_step()
+//              max_query_len), end_step()
 //   attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, num_tokens,
 //          scale, sliding_window, max_query_len) -> out
 //     The kernel for sequences of up to max_query_len new tokens; longer ones (where the CPU
 //     has AMX) as flash attention on oneDNN's brgemm in bf16, else SDPA over their context
-//     gathered from the tiles.
-//   layer_attention(query, key, value, layer, scale) -> out
+//     gathered from the tiles. Those paths have no window: with one, the kernel takes
+//     every sequence, whatever max_query_len says.
+//   layer_attention(query, key, value, layer, scale, sliding_window) -> out
 //     One layer's whole attention within a step: reshape_and_cache, then attend. The step's
 //     caches and metadata are set once by begin_step, so a compiled graph calls this op
-//     directly, with no Python in between (the Python path cost about 40 us a layer).
+//     directly, with no Python in between (the Python path cost about 40 us a layer). The
+//     window is the layer's own (layers of one model differ).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1110,7 +1112,7 @@ struct StepState {
   bool active = false;
   std::vector<at::Tensor> k_caches, v_caches;
   at::Tensor query_start_loc, seq_lens, block_table, slot_mapping;
-  int64_t sliding_window = 0, max_query_len = 0;
+  int64_t max_query_len = 0;
 };
 
 StepState& step_state() {
@@ -1120,7 +1122,7 @@ StepState& step_state() {
 
 void begin_step(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                 at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table,
-                at::Tensor slot_mapping, int64_t sliding_window, int64_t max_query_len) {
+                at::Tensor slot_mapping, int64_t max_query_len) {
   TORCH_CHECK(k_caches.size() == v_caches.size(), "begin_step: ", k_caches.size(),
               " key caches but ", v_caches.size(), " value caches");
   TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.size(0) == seq_lens.size(0) + 1 &&
@@ -1134,7 +1136,6 @@ void begin_step(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_cach
   state.seq_lens = std::move(seq_lens);
   state.block_table = std::move(block_table);
   state.slot_mapping = std::move(slot_mapping);
-  state.sliding_window = sliding_window;
   state.max_query_len = max_query_len;
   state.active = true;
 }
@@ -1344,6 +1345,8 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   const at::Tensor& block_table, int64_t num_tokens, double scale,
                   int64_t sliding_window, int64_t max_query_len) {
+  // attend_long_chunks has no window: a windowed layer's chunks all go to the kernel.
+  if (sliding_window > 0) max_query_len = 0;
   at::Tensor out = at::empty_like(query);
   num_tokens = std::clamp<int64_t>(num_tokens, 0, out.size(0));
   if (out.size(0) > num_tokens) out.narrow(0, num_tokens, out.size(0) - num_tokens).zero_();
@@ -1357,7 +1360,8 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
 }
 
 at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key,
-                           const at::Tensor& value, int64_t layer, double scale) {
+                           const at::Tensor& value, int64_t layer, double scale,
+                           int64_t sliding_window) {
   const StepState& state = step_state();
   TORCH_CHECK(state.active, "layer_attention: called outside a step (begin_step)");
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(state.k_caches.size()),
@@ -1366,7 +1370,7 @@ at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key,
   const at::Tensor& v_cache = state.v_caches[layer];
   reshape_and_cache(key, value, k_cache, v_cache, state.slot_mapping);
   return attend(query, k_cache, v_cache, state.query_start_loc, state.seq_lens,
-                state.block_table, state.slot_mapping.size(0), scale, state.sliding_window,
+                state.block_table, state.slot_mapping.size(0), scale, sliding_window,
                 state.max_query_len);
 }
 
@@ -1383,14 +1387,15 @@ TORCH_LIBRARY(tidegate_cpu, m) {
   m.def("gather_kv(Tensor k_cache, Tensor v_cache, Tensor block_ids, int seq_len) -> (Tensor, Tensor)");
   m.def(
       "begin_step(Tensor[] k_caches, Tensor[] v_caches, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor block_table, Tensor slot_mapping, int sliding_window, "
-      "int max_query_len) -> ()");
+      "Tensor seq_lens, Tensor block_table, Tensor slot_mapping, int max_query_len) -> ()");
   m.def("end_step() -> ()");
   m.def(
       "attend(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_table, int num_tokens, float scale, int sliding_window, "
       "int max_query_len) -> Tensor");
-  m.def("layer_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor");
+  m.def(
+      "layer_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+      "int sliding_window) -> Tensor");
   // No tensor arguments to dispatch on: plain functions.
   m.impl("end_step", &end_step);
 }

@@ -61,8 +61,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         softmax_scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
-        """Causal attention of each new token over its sequence's cached keys."""
+        """Causal attention of each new token over its sequence's cached keys (only the last
+        `sliding_window` of them, itself included, when > 0)."""
         out = torch.empty_like(query)
         out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
         unified_attention(
@@ -74,6 +76,9 @@ class TritonAttentionBackend:
             meta.seq_lens[: meta.num_seqs],
             meta.block_table[: meta.num_seqs],
             softmax_scale,
+            # A host int fixed per layer, as the kernel's SLIDING switch: a captured CUDA
+            # graph replays each layer with its own window.
+            sliding_window=sliding_window,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )

@@ -97,9 +97,9 @@ def _fetch_model(ns: argparse.Namespace) -> int:
 
 def add_make_tiny_model(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
     parser.add_argument("dir")
-    parser.add_argument(
-        "--arch", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"], default="llama"
-    )
+    # engine/tiny_model.py's ARCHITECTURES, spelled out: importing it here would load torch.
+    archs = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
+    parser.add_argument("--arch", choices=archs, default="llama")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=_make_tiny_model)

@@ -14,11 +14,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Qwen3's attention normalises each query and key head (q_norm, k_norm) before RoPE.
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # RoPE variants rotary.py computes exactly as transformers does; "default" means no scaling.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# config.json's activation names -> ours: SwiGLU's silu, or Gemma's tanh-approximated GELU.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a decoder-only model of the Llama family: Llama, Mistral, Qwen2,
-    Qwen3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
+    Qwen3, Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
 
     architecture: str
     vocab_size: int
@@ -65,9 +69,28 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None  # as written in config.json, e.g. "bfloat16"; None if absent
-    sliding_window: int | None = None  # Mistral v0.1: exact only up to this many tokens
-    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # Per decoder layer, how many keys each query sees: 0 all before it (full attention), W
+    # the last W, itself included (a sliding window: every layer of Mistral v0.1, five in six
+    # of Gemma 3's).
+    layer_windows: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head before RoPE
     moe: MoEConfig | None = None  # mixture of experts; None for a dense model
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's)
+    # Softmax scale of attention scores; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar).
+    attention_scale: float | None = None
+    # Gemma's layout: every RMSNorm weight is stored as w - 1 and applied in float32, the
+    # embedding is multiplied by sqrt(hidden_size), and attention's and the MLP's outputs are
+    # normalised too before their residual adds (post_attention_layernorm is that norm, and
+    # pre_feedforward_layernorm the MLP's input norm).
+    gemma_layout: bool = False
+    # RoPE of the sliding-window layers when it differs from the others' (Gemma 3's local
+    # base frequency): (theta, scaling), as rope_theta and rope_scaling.
+    local_rope: tuple[float, dict[str, Any] | None] | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window(self, layer: int) -> int:
+        """Decoder layer `layer`'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts."""
@@ -75,10 +98,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this engine computes exactly (it has no sliding-window attention)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model's positions cover."""
+        return self.max_position_embeddings
 
     def check_tensor_parallel(self, size: int) -> None:
         """Refuse a tensor-parallel size this model's shapes cannot be split by."""
@@ -137,21 +158,35 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], extra_eos: list[int] | None = None) -> ModelConfig:
         """Build from the parsed config.json; extra_eos come from generation_config.json."""
         architecture = _architecture(raw)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is")
+        is_gemma = architecture == "Gemma3ForCausalLM"
+        # Gemma names its activation hidden_activation (its hidden_act is a legacy key).
+        act_name = raw.get("hidden_activation") if is_gemma else None
+        act_name = act_name or raw.get("hidden_act") or "silu"
+        if act_name not in _ACTIVATIONS or (act_name != "silu" and architecture in _MOE):
+            raise ValueError(
+                f"hidden_act {act_name!r} is not supported for {architecture}; "
+                f"supported: {', '.join(_ACTIVATIONS)} (silu only with experts)"
+            )
+        if is_gemma:
+            _check_gemma(raw)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         is_qwen = is_qwen2 or architecture in _QWEN3
-        if is_qwen and raw.get("use_sliding_window"):
-            raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         heads = raw["num_attention_heads"]
         attention_bias = bool(raw.get("attention_bias", False))
-        # Qwen3's configuration class defaults head_dim to 128, not hidden_size / heads.
-        head_dim = raw.get("head_dim") or (
-            128 if architecture == "Qwen3ForCausalLM" else raw["hidden_size"] // heads
+        # Qwen3's and Gemma 3's configuration classes default head_dim to 128 and 256, not
+        # hidden_size / heads.
+        default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}
+        head_dim = raw.get("head_dim") or default_head_dim.get(
+            architecture, raw["hidden_size"] // heads
         )
-        rope_theta, rope_scaling = _rope(raw)
-        eos = _as_list(raw.get("eos_token_id"))
+        if is_gemma:
+            (rope_theta, rope_scaling), local_rope = _gemma3_rope(raw)
+        else:
+            (rope_theta, rope_scaling), local_rope = _rope(raw), None
+        eos = _as_list(raw.get("eos_token_id", 1 if is_gemma else None))
         eos += [t for t in extra_eos or [] if t not in eos]
+        # Gemma's configuration class defaults: what a config.json may leave out.
+        defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": True}
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -164,19 +199,28 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's and Qwen3's flag covers
-            # all four (Mixtral has none).
+            max_position_embeddings=raw.get(
+                "max_position_embeddings", defaults["max_position_embeddings"] if is_gemma else 2048
+            ),
+            tie_word_embeddings=bool(
+                raw.get("tie_word_embeddings", is_gemma and defaults["tie_word_embeddings"])
+            ),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's, Qwen3's and Gemma's
+            # flag covers all four (Mixtral has none).
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=not is_qwen2 and attention_bias,
-            mlp_bias=not is_qwen and bool(raw.get("mlp_bias", False)),
-            bos_token_id=raw.get("bos_token_id"),
+            mlp_bias=not is_qwen and not is_gemma and bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id", 2 if is_gemma else None),
             eos_token_ids=eos,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            sliding_window=None if is_qwen else raw.get("sliding_window"),
-            qk_norm=architecture in _QWEN3,
+            layer_windows=_layer_windows(architecture, raw),
+            qk_norm=architecture in _QWEN3 or is_gemma,
             moe=_moe(architecture, raw),
+            hidden_act=_ACTIVATIONS[act_name],
+            attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5 if is_gemma else None,
+            gemma_layout=is_gemma,
+            local_rope=local_rope,
+            final_logit_softcapping=raw.get("final_logit_softcapping") if is_gemma else None,
         )
 
 
@@ -188,6 +232,72 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise ValueError(
         f"model architecture {names or raw.get('model_type')!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _layer_windows(architecture: str, raw: dict[str, Any]) -> tuple[int, ...]:
+    """Each decoder layer's sliding window (0: none), as transformers reads config.json.
+
+    Mistral, Mixtral and Qwen3-MoE window every layer when they have a window; Qwen2, Qwen3
+    and Gemma 3 the layers `layer_types` calls sliding_attention, whose default is Qwen's
+    layers from max_window_layers on and Gemma's five in every six (sliding_window_pattern).
+    Llama has none; Qwen's window counts only with use_sliding_window.
+    """
+    layers = raw["num_hidden_layers"]
+    window = raw.get("sliding_window") if architecture != "LlamaForCausalLM" else None
+    if architecture in ("Qwen2ForCausalLM", *_QWEN3) and not raw.get("use_sliding_window"):
+        window = None
+    if architecture == "Gemma3ForCausalLM" and "sliding_window" not in raw:
+        window = 4096  # its configuration class's default
+    if not window:
+        return (0,) * layers
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        return (window,) * layers
+    types = raw.get("layer_types")
+    if types is None:
+        if architecture == "Gemma3ForCausalLM":
+            pattern = raw.get("sliding_window_pattern", 6)
+            sliding = [bool((i + 1) % pattern) for i in range(layers)]
+        else:
+            first = raw.get("max_window_layers", 28)
+            sliding = [i >= first for i in range(layers)]
+    else:
+        if len(types) != layers:
+            raise ValueError(f"layer_types names {len(types)} layers, not {layers}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported")
+        sliding = [t == "sliding_attention" for t in types]
+    return tuple(window if s else 0 for s in sliding)
+
+
+def _check_gemma(raw: dict[str, Any]) -> None:
+    """Refuse the Gemma options the engine does not compute, saying which."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            "attn_logit_softcapping is not supported: the attention kernels do not cap scores"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported: the engine is causal")
+
+
+def _gemma3_rope(
+    raw: dict[str, Any],
+) -> tuple[tuple[float, dict[str, Any] | None], tuple[float, dict[str, Any] | None]]:
+    """Gemma 3's RoPE of full-attention layers and of sliding ones, from transformers 5's
+    `rope_parameters` keyed by layer type or the older rope_theta, rope_scaling (full layers
+    only) and rope_local_base_freq; their defaults are 1e6 and 1e4."""
+    params = raw.get("rope_parameters") or {}
+    length = {"max_position_embeddings": raw.get("max_position_embeddings", 131072)}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": 1e6, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 1e4, **(params.get("sliding_attention") or {})}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1e6)}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 1e4)}
+    return (
+        _rope({**length, "rope_parameters": full}),
+        _rope({**length, "rope_parameters": local}),
     )
 
 

@@ -75,6 +75,22 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as w - 1, and applied in float32 before the cast
+    back (Llama's casts first), exactly as transformers computes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of x."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(size: int, eps: float, gemma: bool = False) -> RMSNorm:
+    """An RMSNorm over `size` features: Gemma's (`gemma`), or Llama's."""
+    return GemmaRMSNorm(size, eps) if gemma else RMSNorm(size, eps)
+
+
 class SiluAndMul(nn.Module):
     """SwiGLU gate: silu(first half) * second half of the last dimension."""
 
@@ -82,6 +98,18 @@ class SiluAndMul(nn.Module):
         """Apply the gate to a [..., 2 * intermediate] tensor."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU gate (Gemma): the tanh-approximated gelu of the first half * the second half."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the gate to a [..., 2 * intermediate] tensor."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+GATES = {"silu": SiluAndMul, "gelu_tanh": GeluTanhAndMul}
 
 
 def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

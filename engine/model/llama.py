@@ -1,6 +1,8 @@
 """The Llama decoder, which also serves its relatives: Mistral and Qwen2 (they differ in
-biases), Qwen3 (a norm over each query and key head) and the mixture-of-experts Mixtral and
-Qwen3-MoE (moe.py's experts in place of the MLP)."""
+biases and sliding windows), Qwen3 (a norm over each query and key head), Gemma 3 (Gemma's
+norms, GeGLU, a scaled embedding, and sliding-window layers with their own RoPE between
+full-attention ones) and the mixture-of-experts Mixtral and Qwen3-MoE (moe.py's experts in
+place of the MLP)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ from tidegate.engine.distributed.parallel_state import (
 )
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.layers import (
+    GATES,
     LMHead,
     MergedLinear,
     QKVLinear,
-    RMSNorm,
     RowParallelLinear,
-    SiluAndMul,
     VocabEmbedding,
+    rms_norm,
 )
 from tidegate.engine.model.moe import SparseMoE
 from tidegate.engine.model.rotary import RotaryEmbedding
@@ -36,11 +38,14 @@ from tidegate.engine.model.rotary import RotaryEmbedding
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v, RoPE, and keys/values kept in the paged cache."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, layer: int, cache_index: int
+    ) -> None:
         super().__init__()
-        self.layer = layer  # which KV cache is this layer's
+        self.layer = cache_index  # which KV cache is this layer's
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.sliding_window = config.window(layer)  # 0: every earlier key
         self.qkv_proj = QKVLinear(
             config.hidden_size,
             self.head_dim,
@@ -55,10 +60,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
         )
-        # Qwen3: each query and key head RMS-normalised (weights [head_dim]) before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary  # one cos/sin cache shared by all layers
+        # Qwen3, Gemma 3: each query and key head RMS-normalised (weights [head_dim]) before
+        # RoPE.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = rms_norm(self.head_dim, config.rms_norm_eps, config.gemma_layout)
+            self.k_norm = rms_norm(self.head_dim, config.rms_norm_eps, config.gemma_layout)
+        self.rotary = rotary  # one cos/sin cache shared by the layers of its kind
         # The attention backend's own op for a whole layer, when it has one (set by the
         # model from its backend): called directly instead of `paged_attention`.
         self.layer_op = None
@@ -74,14 +82,14 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.layer_op is not None:
-            out = self.layer_op(q, k, v, self.layer, self.scale)
+            out = self.layer_op(q, k, v, self.layer, self.scale, self.sliding_window)
         else:
-            out = paged_attention(q, k, v, self.layer, self.scale)
+            out = paged_attention(q, k, v, self.layer, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with gate and up projections fused into one matmul."""
+    """SwiGLU (Gemma: GeGLU) feed-forward with gate and up projections fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -89,7 +97,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate": size, "up": size}, config.mlp_bias
         )
-        self.act = SiluAndMul()
+        self.act = GATES[config.hidden_act]()
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +106,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP (or experts), each with a residual connection."""
+    """Pre-norm attention and MLP (or experts), each with a residual connection.
+
+    Gemma's layout also normalises each block's output before its residual add: there
+    post_attention_layernorm is attention's output norm, and the MLP has a norm on each side
+    (pre_ and post_feedforward_layernorm).
+    """
 
     def __init__(
         self, config: ModelConfig, rotary: RotaryEmbedding, layer: int, cache_index: int
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, cache_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps, gemma = config.hidden_size, config.rms_norm_eps, config.gemma_layout
+        self.gemma_layout = gemma
+        self.input_layernorm = rms_norm(size, eps, gemma)
+        self.self_attn = LlamaAttention(config, rotary, layer, cache_index)
+        self.post_attention_layernorm = rms_norm(size, eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = rms_norm(size, eps, gemma)
+            self.post_feedforward_layernorm = rms_norm(size, eps, gemma)
         self.mlp: nn.Module
         if config.is_sparse_layer(layer):
             assert config.moe is not None
@@ -116,8 +134,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Run one layer; same order of additions as transformers so bf16 rounds alike."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(positions, self.input_layernorm(hidden))
+        if not self.gemma_layout:
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(fed)
 
 
 class MissingLayer(nn.Module):
@@ -144,18 +167,29 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (
             VocabEmbedding(config.vocab_size, config.hidden_size) if self.first_stage else None
         )
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        # Gemma multiplies the embedding by sqrt(hidden_size) rounded to the model's dtype (the
+        # default dtype while the model is built), as transformers does.
+        self.embed_scale = None
+        if config.gemma_layout:
+            scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype())
+            self.embed_scale = scale.item()
+        positions = config.max_position_embeddings
+        rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling)
+        # Gemma 3's sliding-window layers rotate with their own base frequency.
+        local_rotary = rotary
+        if config.local_rope is not None:
+            local_rotary = RotaryEmbedding(config.head_dim, positions, *config.local_rope)
         first = self.stage_layers.start
         self.layers = nn.ModuleList(
             # Each layer indexes this stage's KV caches, which start at its first layer.
-            LlamaDecoderLayer(config, rotary, i, i - first)
+            LlamaDecoderLayer(config, local_rotary if config.window(i) else rotary, i, i - first)
             if i in self.stage_layers
             else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last_stage else None
+        self.norm = None
+        if self.last_stage:
+            self.norm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_layout)
 
     def forward(
         self,
@@ -167,6 +201,8 @@ class LlamaModel(nn.Module):
         stage takes. A stage after the first starts from the previous one's `hidden`."""
         if self.first_stage:
             hidden = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
         assert hidden is not None
         for i in self.stage_layers:
             hidden = self.layers[i](positions, hidden)
@@ -226,4 +262,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden that need sampling (last stage)."""
         assert self.lm_head is not None, "logits are computed on the last pipeline stage"
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

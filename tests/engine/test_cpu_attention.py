@@ -34,6 +34,7 @@ from tidegate.engine.attention.cpu_attention import (
     pack_kv,
     unpack_kv,
 )
+from tidegate.engine.attention.custom_op import attention_context
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the CPU kernels need x86-64, a C++ compiler and ninja"
@@ -46,7 +47,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kernel_max=0):
     """The backend on a poisoned paged cache (packed), and the dense reference for it.
 
-    kernel_max=0: the kernel takes every sequence, long chunks included.
+    kernel_max=0: the kernel takes every sequence, long chunks included. window: the call's
+    sliding window (None: none).
     """
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -58,8 +60,8 @@ def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kern
     qkv = torch.randn(meta.num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim).to(dtype)
     query = qkv[:, :num_heads]
     scale = head_dim**-0.5
-    backend = CpuAttentionBackend(sliding_window=window, max_kernel_query_len=kernel_max)
-    out = backend.attend(query, *pack_kv(k_cache, v_cache), meta, scale)
+    backend = CpuAttentionBackend(max_kernel_query_len=kernel_max)
+    out = backend.attend(query, *pack_kv(k_cache, v_cache), meta, scale, window or 0)
     expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
     return out, expected
 
@@ -193,8 +195,18 @@ def test_long_chunks_go_to_sdpa_by_default_only_where_the_cpu_has_amx(monkeypatc
 
     assert CpuAttentionBackend().max_kernel_query_len == expected
     assert CpuAttentionBackend(max_kernel_query_len=32).max_kernel_query_len == 32
-    # SDPA's path has no sliding window: with one the kernel takes every chunk.
-    assert CpuAttentionBackend(sliding_window=8).max_kernel_query_len == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_windowed_call_sees_its_window_in_long_chunks_too(dtype):
+    # The long-chunk paths (oneDNN, SDPA) have no window: a windowed call on a backend that
+    # sends long chunks there must still give every chunk its window (the kernel takes them).
+    chunks = [(0, 100), (150, 70), (37, 9), (300, 1), (0, 1)]
+
+    out, expected = run_case(chunks, 64, 16, 4, dtype, 17, window=37, kernel_max=8)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
 def test_sliding_window_sees_only_the_last_keys():
@@ -204,6 +216,43 @@ def test_sliding_window_sees_only_the_last_keys():
     out, expected = run_case(chunks, 64, 16, 2, torch.float32, 9, window=window)
 
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("compiled_path", [False, True], ids=["attend", "layer_op"])
+def test_one_backend_serves_a_windowed_and_a_full_layer_in_one_step(compiled_path):
+    # Gemma 3: windowed and full layers share one step's metadata and one backend. Each call
+    # (attend, or the C++ layer op after begin_step) gets its own layer's window, long chunks
+    # included, where this backend would otherwise hand them to the windowless SDPA path.
+    block_size, head_dim, group, window = 16, 64, 2, 24
+    chunks = [(70, 1), (5, 1), (40, 30), (0, 100), (window - 1, 1), (100, 17)]
+    rng = random.Random(19)
+    torch.manual_seed(19)
+    meta, tables, num_blocks = paged_batch(chunks, block_size, rng)
+    args = (chunks, tables, num_blocks, block_size, head_dim, torch.float32)
+    k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * group, head_dim)
+    scale = head_dim**-0.5
+    backend = CpuAttentionBackend(max_kernel_query_len=8)
+    # Two layers with the same contents, one per window.
+    layers = [pack_kv(k_cache, v_cache) for _ in range(2)]
+
+    if compiled_path:
+        # The new tokens' keys and values as the layer op writes them: their own slots'.
+        slots = meta.slot_mapping
+        key = k_cache.flatten(0, 1)[slots]
+        value = v_cache.flatten(0, 1)[slots]
+        with attention_context(backend, layers, meta):
+            windowed = backend.layer_op(query, key, value, 0, scale, window)
+            full = backend.layer_op(query, key, value, 1, scale, 0)
+    else:
+        windowed = backend.attend(query, *layers[0], meta, scale, window)
+        full = backend.attend(query, *layers[1], meta, scale)
+
+    expected_windowed = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    expected_full = reference_attention(query, k_cache, v_cache, chunks, tables, scale)
+    torch.testing.assert_close(windowed, expected_windowed, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(full, expected_full, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected_windowed, expected_full)  # the windows do differ
 
 
 def test_many_query_heads_on_one_kv_head():

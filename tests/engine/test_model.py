@@ -95,9 +95,11 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(params=["llama", "qwen2"])
-def model_dir(request, tiny_llama_dir, tiny_qwen2_dir) -> Path:
-    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3"])
+def model_dir(request) -> Path:
+    """Mistral windows every layer (40 tokens) and Gemma 3 one of two (24 tokens): shorter
+    than the longer prompts, so the windows are exercised across chunks and decodes."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
 def test_full_prompts_in_one_batch_match_transformers(model_dir):
@@ -186,11 +188,26 @@ def test_rope_scaling_matches_transformers(tmp_path, kind):
         torch.testing.assert_close(ours, ref, atol=FP32_ATOL, rtol=0)
 
 
-def test_bfloat16_logits_close_to_float32(tiny_llama_dir):
+def test_gemma3_rope_scaling_is_the_full_layers_only(tmp_path):
+    # As Gemma 3 4B and up: linear scaling on full-attention layers; sliding ones keep their
+    # own base frequency unscaled.
+    model_dir = make_tiny_model(tmp_path, arch="gemma3", rope_scaling=ROPE_SCALINGS["linear"])
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.local_rope == (10_000.0, None)
+    prompts = random_prompts([70, 9], seed=5)
+    got = PagedRun(model_dir).step([(i, p, 0) for i, p in enumerate(prompts)])
+    for ours, ref in zip(got, hf_logits(model_dir, prompts), strict=True):
+        torch.testing.assert_close(ours, ref, atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bfloat16_logits_close_to_float32(arch, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = random_prompts([30, 1, 12], seed=4)
     chunks = [(i, p, 0) for i, p in enumerate(prompts)]
-    full = torch.cat(PagedRun(tiny_llama_dir).step(chunks))
-    half = torch.cat(PagedRun(tiny_llama_dir, dtype=torch.bfloat16).step(chunks))
+    full = torch.cat(PagedRun(model_dir).step(chunks))
+    half = torch.cat(PagedRun(model_dir, dtype=torch.bfloat16).step(chunks))
     assert half.dtype == torch.float32
     assert (half - full).abs().max() < 0.05 * full.abs().max()
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
@@ -269,6 +286,82 @@ def test_config_reads_both_architectures(tiny_llama_dir, tiny_qwen2_dir):
     assert llama.eos_token_ids == [2] and llama.torch_dtype == "float32"
     assert resolve_dtype("auto", llama) == torch.float32
     assert resolve_dtype("bfloat16", llama) == torch.bfloat16
+
+
+# Gemma 3 1B's config.json as published (transformers 4 keys): no layer_types, a window
+# pattern, the local base frequency apart, defaults for head_dim and tied embeddings.
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 262144,
+}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 4}],
+    ids=["1b", "4b-style"],
+)
+def test_gemma3_config_reads_as_transformers_does(changes):
+    from transformers import Gemma3TextConfig
+
+    raw = {**GEMMA3_1B, **changes}
+    config = ModelConfig.from_dict(raw)
+    reference = Gemma3TextConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    sliding = [t == "sliding_attention" for t in reference.layer_types]
+    assert config.layer_windows == tuple(512 if s else 0 for s in sliding)
+    assert 0 < sum(sliding) < len(sliding)
+    full, local = (reference.rope_parameters[k] for k in ("full_attention", "sliding_attention"))
+    assert config.rope_theta == full["rope_theta"] and config.local_rope[0] == local["rope_theta"]
+    assert (config.rope_scaling or {}).get("factor") == full.get("factor")
+    assert config.head_dim == reference.head_dim == 256
+    assert config.attention_scale == 256**-0.5 and config.hidden_act == "gelu_tanh"
+    assert config.tie_word_embeddings and config.qk_norm and config.gemma_layout
+    assert config.eos_token_ids == [1, 106] and config.max_model_len == 32768
+
+
+def test_sliding_windows_of_mistral_and_llama():
+    mistral = {**GEMMA3_1B, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_dict(mistral).layer_windows == (4096,) * 26
+    # The whole context, not capped at the window: the window is computed exactly.
+    assert ModelConfig.from_dict(mistral).max_model_len == 32768
+    llama = {**mistral, "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_dict(llama).layer_windows == (0,) * 26
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"hidden_activation": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"layer_types": ["sliding_attention"] * 3}, "names 3 layers, not 26"),
+        ({"layer_types": ["chunked_attention"] * 26}, "chunked_attention"),
+    ],
+)
+def test_gemma3_options_it_cannot_compute_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**GEMMA3_1B, **changes})
 
 
 def test_unsupported_configs_are_rejected_clearly(tiny_llama_dir):

@@ -100,15 +100,21 @@ def test_mixtral_routes_every_layer_renormalised_through_its_intermediate_size()
     assert not config.qk_norm and config.head_dim == 16
 
 
-def test_qwen3_reads_its_own_defaults_and_refuses_a_sliding_window():
+def test_qwen3_reads_its_own_defaults_and_its_sliding_window():
     raw = base_config(architectures=["Qwen3ForCausalLM"], attention_bias=True)
     raw.pop("head_dim")
     config = ModelConfig.from_dict(raw)
     assert config.moe is None and config.qk_norm
     assert config.head_dim == 128  # Qwen3's configuration default, not hidden / heads
     assert (config.qkv_bias, config.o_proj_bias, config.mlp_bias) == (True, True, False)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM with use_sliding_window"):
-        ModelConfig.from_dict({**raw, "use_sliding_window": True})
+    # As transformers: the window counts only with use_sliding_window, and then for the
+    # layers from max_window_layers on (Qwen3-MoE: every layer).
+    raw.update(sliding_window=64, max_window_layers=4)
+    assert ModelConfig.from_dict(raw).layer_windows == (0,) * 6
+    windowed = ModelConfig.from_dict({**raw, "use_sliding_window": True})
+    assert windowed.layer_windows == (0, 0, 0, 0, 64, 64)
+    moe = ModelConfig.from_dict({**base_config(), "sliding_window": 64, "use_sliding_window": True})
+    assert moe.layer_windows == (64,) * 6
 
 
 def test_tensor_parallel_sizes_must_divide_the_experts_intermediate_size():

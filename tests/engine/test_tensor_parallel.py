@@ -64,9 +64,17 @@ def _generate(
     return first + [o.outputs[0].token_ids for o in constrained], hits, prompt_logprobs
 
 
-# Qwen3-MoE and Mixtral: every expert's intermediate features split over the ranks.
+# Qwen3-MoE and Mixtral: every expert's intermediate features split over the ranks. Gemma 3:
+# its norms and windows on each rank's heads.
 @pytest.mark.parametrize(
-    "model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir"]
+    "model",
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_gemma3_dir",
+        "tiny_qwen3_moe_dir",
+        "tiny_mixtral_dir",
+    ],
 )
 def test_two_ranks_generate_the_tokens_of_one(model, request):
     model_dir = request.getfixturevalue(model)

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from tests.engine import paged_attention_cases as cases
 from tidegate.engine.attention import TorchAttentionBackend, get_attention_backend
 from tidegate.engine.attention.backend import AttentionMetadata
 
@@ -181,3 +182,102 @@ def test_backend_names(monkeypatch):
         get_attention_backend("triton", cpu)
     with pytest.raises(ValueError, match="auto, torch, triton"):
         get_attention_backend("flash", cpu)
+
+
+# -- Sliding windows: the calling layer's, per call --------------------------------------
+
+
+def windowed_case(chunks, block_size, group, dtype, seed):
+    """Metadata, caches and a query for `chunks` on the shared paged-cache cases.
+
+    The caches are poisoned where no sequence has a token, with a large finite value rather
+    than the shared cases' NaN: SDPA multiplies masked-out values by a zero weight, and
+    NaN * 0 is NaN even where nothing was read wrongly. A stray read of 1e3 still shows.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    meta, tables, num_blocks = cases.paged_batch(chunks, block_size, rng)
+    args = (chunks, tables, num_blocks, block_size, HEAD_DIM, dtype)
+    k_cache, v_cache = (cases.poisoned_cache(*args).nan_to_num(nan=1e3) for _ in range(2))
+    query = torch.randn(meta.num_tokens, cases.NUM_KV_HEADS * group, HEAD_DIM).to(dtype)
+    return meta, tables, k_cache, v_cache, query
+
+
+# Decodes deep into long contexts and right at the window's edge, chunks after mid-block
+# context (some longer than the window), fresh prompts longer and shorter than it.
+WINDOW_CHUNKS = [(70, 1), (5, 1), (40, 30), (0, 33), (23, 1), (24, 1), (100, 17), (0, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 4], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize(
+    ("window", "block_size"),
+    [(1, 16), (5, 16), (16, 16), (24, 16), (37, 32), (64, 16)],
+    ids=["itself-only", "inside-a-block", "one-block", "not-a-block-multiple", "b32", "4-blocks"],
+)
+def test_sliding_window_sees_only_the_last_keys(window, block_size, group, dtype):
+    seed = window * 100 + block_size + group
+    chunks = WINDOW_CHUNKS + cases.mixed_chunks(random.Random(seed), block_size)
+    meta, tables, k_cache, v_cache, query = windowed_case(chunks, block_size, group, dtype, seed)
+    scale = HEAD_DIM**-0.5
+
+    out = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, scale, window)
+
+    expected = cases.reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    assert out.dtype == dtype and out.isfinite().all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_a_window_longer_than_every_sequence_is_no_window():
+    chunks = [(30, 1), (0, 20), (17, 9), (63, 1)]  # at most 64 tokens
+    meta, tables, k_cache, v_cache, query = windowed_case(chunks, 16, 2, torch.float32, 5)
+    backend = TorchAttentionBackend()
+
+    full = backend.attend(query, k_cache, v_cache, meta, 0.1)
+    for window in (64, 65, 4096):
+        out = backend.attend(query, k_cache, v_cache, meta, 0.1, window)
+        torch.testing.assert_close(out, full, atol=0, rtol=0)
+    expected = cases.reference_attention(query, k_cache, v_cache, chunks, tables, 0.1)
+    torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_backend_serves_a_windowed_and_a_full_layer_in_one_step():
+    # Gemma 3: windowed and full layers share one step's metadata and one backend; each
+    # call gets its own layer's window and nothing of the other's.
+    window = 24
+    meta, tables, k_cache, v_cache, query = windowed_case(WINDOW_CHUNKS, 16, 2, torch.float32, 8)
+    backend = TorchAttentionBackend()
+    scale = HEAD_DIM**-0.5
+    reference = cases.reference_attention
+
+    windowed = backend.attend(query, k_cache, v_cache, meta, scale, window)
+    full = backend.attend(query, k_cache, v_cache, meta, scale)
+
+    expected_windowed = reference(query, k_cache, v_cache, WINDOW_CHUNKS, tables, scale, window)
+    expected_full = reference(query, k_cache, v_cache, WINDOW_CHUNKS, tables, scale)
+    torch.testing.assert_close(windowed, expected_windowed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full, expected_full, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(expected_windowed, expected_full)  # the windows do differ
+
+
+def test_windowed_chunk_functions_take_the_window_too():
+    # attend_chunk/attend_gathered are public (the cpu and KV-transfer code may call them):
+    # the window reaches a fresh prompt (no context) as well as a chunk after context.
+    from tidegate.engine.attention.torch_attention import attend_chunk, attend_gathered
+
+    window = 10
+    chunks = [(0, 40), (45, 20)]
+    meta, tables, k_cache, v_cache, query = windowed_case(chunks, 16, 2, torch.float32, 3)
+    expected = cases.reference_attention(query, k_cache, v_cache, chunks, tables, 0.1, window)
+    fresh, after = query[:40], query[40:]
+
+    out_fresh = attend_chunk(fresh, k_cache, v_cache, meta.block_table[0], 40, 0.1, window)
+    out_after = attend_chunk(after, k_cache, v_cache, meta.block_table[1], 65, 0.1, window)
+    gathered_k = k_cache[tables[1]].flatten(0, 1)
+    gathered_v = v_cache[tables[1]].flatten(0, 1)
+    out_gathered = attend_gathered(after, gathered_k, gathered_v, 65, 0.1, window)
+
+    torch.testing.assert_close(out_fresh, expected[:40], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_after, expected[40:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_gathered, expected[40:], atol=1e-5, rtol=1e-5)

@@ -137,6 +137,29 @@ def test_sliding_window_sees_only_the_last_keys(split_kv):
     torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_the_backend_gives_each_call_its_own_window():
+    # Gemma 3: windowed and full layers share one step's metadata and one backend; each
+    # layer's call passes its own window (a host int, fixed per layer in a CUDA graph).
+    block_size, head_dim, group, window = 16, 64, 2, 24
+    chunks = [(70, 1), (5, 1), (40, 30), (0, 33), (window - 1, 1)]
+    rng = random.Random(13)
+    torch.manual_seed(13)
+    meta, tables, num_blocks = paged_batch(chunks, block_size, rng, DEVICE)
+    args = (chunks, tables, num_blocks, block_size, head_dim, torch.float32, DEVICE)
+    k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * group, head_dim).to(DEVICE)
+    backend, scale = TritonAttentionBackend(), head_dim**-0.5
+
+    windowed = backend.attend(query, k_cache, v_cache, meta, scale, window)
+    full = backend.attend(query, k_cache, v_cache, meta, scale)
+
+    expected_windowed = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    expected_full = reference_attention(query, k_cache, v_cache, chunks, tables, scale)
+    torch.testing.assert_close(windowed.cpu(), expected_windowed, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(full.cpu(), expected_full, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected_windowed, expected_full)  # the windows do differ
+
+
 def test_many_query_heads_on_one_kv_head():
     # 32 query heads per KV head: more than one 16-row tile, so one token per program.
     chunks = [(20, 1), (0, 5), (9, 3)]

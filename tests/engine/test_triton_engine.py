@@ -13,7 +13,10 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 from tidegate.engine import LLM, SamplingParams
 
 
-def test_greedy_output_is_token_identical_to_the_torch_backend(tiny_llama_dir):
+# Gemma 3: a 24-token sliding-window layer beside a full one, in the kernel's SLIDING path.
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_output_is_token_identical_to_the_torch_backend(arch, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     shared = "The tide gate opens at dawn and closes at dusk, every day of the year, " * 2
     prompts = [
         shared + "while the keeper sleeps",  # long: prefilled in chunks
@@ -24,9 +27,9 @@ def test_greedy_output_is_token_identical_to_the_torch_backend(tiny_llama_dir):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     # A small step budget: prompts are chunked and decodes share steps with prefill chunks.
     common = dict(dtype="float32", max_num_batched_tokens=40, long_prefill_token_threshold=24)
-    reference = LLM(model=str(tiny_llama_dir), attention_backend="torch", **common)
+    reference = LLM(model=str(model_dir), attention_backend="torch", **common)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-    triton_llm = LLM(model=str(tiny_llama_dir), attention_backend="triton", **common)
+    triton_llm = LLM(model=str(model_dir), attention_backend="triton", **common)
     assert triton_llm.engine.executor.worker.runner.attn_backend.name == "triton"
     got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
     assert got == expected
