@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -25,6 +26,25 @@ import torch
 from common import ROOT, check_peers, in_peer_env, peer_python
 
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_offline.py"
+
+
+def torch_machine(loads: list[float]) -> dict:
+    """Where an offline engine benchmark ran: the CPU, torch's threads and version, and the
+    1-minute load average at each of `loads`' readings (whether something ran beside it)."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_1m": [round(load, 2) for load in loads],
+    }
+
+
+def write_record(out: Path | None, record: dict) -> None:
+    """Write a benchmark's JSON record to `out`, when given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:

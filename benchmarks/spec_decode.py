@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from offline_throughput import make_prompts
+from offline_throughput import make_prompts, torch_machine, write_record
 
 WORKLOADS = {"copy": [7], "cycle": [7, 8, 9], "open": None, "json": None}
 # `json`: structured output, an array of 8 objects with the same two keys, which prompt lookup
@@ -162,19 +160,11 @@ def main() -> None:
             "repeats": args.repeats,
             "compilation_level": args.compilation_level,
         },
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "load_average_1m": [round(load, 2) for load in loads],
-        },
+        "machine": torch_machine(loads),
         "results": results,
         "date": time.strftime("%Y-%m-%d"),
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -540,3 +540,27 @@ def test_spec_decode_times_guessing_against_none_by_how_often_guesses_are_right(
     copy = record["results"]["copy/1"]["ngram"]
     assert copy["acceptance_rate"] == 1.0 and copy["steps"] <= 8
     assert record["results"]["copy/1"]["off"]["steps"] == 24
+
+
+@pytest.mark.slow
+def test_sliding_window_times_windowed_layers_against_full_ones(tmp_path):
+    out = tmp_path / "sliding_window.json"
+    flags = ["--size", "tiny", "--concurrency", "1", "2", "--input-len", "100", "--output-len"]
+    run_script(
+        "sliding_window.py",
+        *flags,
+        "6",
+        "--compilation-level",
+        "0",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    record = json.loads(out.read_text())
+    assert set(record["results"]) == {"100/1", "100/2"}
+    assert "windows [24, 0]" in record["model"]  # the tiny Gemma 3's layers
+    for row in record["results"].values():
+        for name in ("windowed", "full"):
+            assert row[name]["decode_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0
+        assert row["decode_speedup"] > 0 and row["prefill_speedup"] > 0
