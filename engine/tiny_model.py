@@ -1,5 +1,6 @@
 """Write a deterministic random-weight model folder for tests and demos: Llama, Mistral (with
-a sliding window), Qwen2, Qwen3, Gemma 3, or the mixture-of-experts Qwen3-MoE and Mixtral.
+a sliding window), Qwen2, Qwen3, Gemma 2 and 3, or the mixture-of-experts Qwen3-MoE and
+Mixtral.
 
 The folder is a normal Hugging Face model (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json), so transformers loads it
@@ -110,6 +111,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # config.json's model_type where it is not the --arch name.
@@ -142,6 +144,25 @@ _ARCH_SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     # Sliding windows shorter than the tests' prompts, not a multiple of the block size, so
     # windows start mid-block: every layer of Mistral, Gemma 3's by its layer_types.
     "mistral": {"tiny": {"sliding_window": 40}, "small": {"sliding_window": 256}},
+    # Gemma 2: every other layer windowed, and attention scores capped low enough (real
+    # models: 50) that the cap bends many of them, so a missed or misplaced cap shows.
+    "gemma2": {
+        "tiny": {
+            "head_dim": 64,
+            "query_pre_attn_scalar": 48,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 30.0,
+        },
+        "small": {
+            "sliding_window": 256,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 64,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    },
     # Gemma 3: a scale that is not head_dim's, and a final logit cap (Gemma 2's; Gemma 3's
     # configuration class takes it too), so both paths are exercised.
     "gemma3": {
@@ -254,15 +275,15 @@ def _config(
         config.update(sliding_window=None)
     elif arch == "mistral":
         pass
+    elif arch == "gemma2":
+        del config["hidden_act"]  # Gemma names it hidden_activation
+        config.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False)
+        _repeat_layer_types(config)
     elif arch == "gemma3":
         # Gemma names its activation hidden_activation and keys RoPE by layer type: the
         # sliding layers' local base frequency differs from the full layers'.
         del config["hidden_act"], config["rope_theta"], config["rope_scaling"]
-        layer_types = config["layer_types"]
-        if len(layer_types) != config["num_hidden_layers"]:  # a pattern to repeat
-            config["layer_types"] = [
-                layer_types[i % len(layer_types)] for i in range(config["num_hidden_layers"])
-            ]
+        _repeat_layer_types(config)
         full = {"rope_type": "default", "rope_theta": 1_000_000.0}
         if rope_scaling:
             full.update(rope_scaling)
@@ -284,6 +305,12 @@ def _config(
     return config
 
 
+def _repeat_layer_types(config: dict[str, Any]) -> None:
+    """Gemma's layer_types from the pattern _ARCH_SHAPES gives, over every layer."""
+    pattern = config["layer_types"]
+    config["layer_types"] = [pattern[i % len(pattern)] for i in range(config["num_hidden_layers"])]
+
+
 def _random_weights(
     config: dict[str, Any], tokenizer_vocab: int, seed: int
 ) -> dict[str, torch.Tensor]:
@@ -300,7 +327,7 @@ def _random_weights(
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return normal(out_features, in_features, std=GAIN / math.sqrt(in_features))
 
-    gemma = config["model_type"] == "gemma3_text"
+    gemma = config["model_type"] in ("gemma2", "gemma3_text")
 
     def norm(size: int = hidden) -> torch.Tensor:
         # Gemma stores an RMSNorm's weight as w - 1.

@@ -35,6 +35,10 @@ class Tokenizer:
         template_file = folder / "chat_template.jinja"
         if self.chat_template is None and template_file.is_file():
             self.chat_template = template_file.read_text()
+        # A multimodal model's processor keeps it in chat_template.json (Gemma 3 4B and up).
+        template_json = folder / "chat_template.json"
+        if self.chat_template is None and template_json.is_file():
+            self.chat_template = json.loads(template_json.read_text()).get("chat_template")
         self.eos_token_id = self.hf.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self.hf.token_to_id(self.bos_token) if self.bos_token else None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)

@@ -165,6 +165,12 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 2 folder: a 24-token window then a full layer, scores capped at 2."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), arch="gemma2", size="tiny")
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3 folder: a 24-token sliding-window layer, then a full-attention one."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3", size="tiny")

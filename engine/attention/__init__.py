@@ -35,11 +35,13 @@ def get_attention_backend(
     head_dim: int | None = None,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    logits_soft_cap: bool = False,
 ) -> AttentionBackend:
     """The backend called `name` ("auto", "torch", "triton", "cpu") for a model on `device`.
 
     auto: triton on CUDA; on CPU the C++ kernel when it builds here and fits the model's
-    head size, block size and dtype (those given), else the torch reference.
+    head size, block size and dtype (those given) and the model does not cap its attention
+    logits (`logits_soft_cap`, Gemma 2: the kernel has no cap), else the torch reference.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
@@ -49,10 +51,16 @@ def get_attention_backend(
         if device.type == "cuda":
             name = "triton" if _triton_importable() else "torch"
         else:
-            name = "cpu" if _cpu_kernel_fits(head_dim, block_size, dtype) else "torch"
+            fits = not logits_soft_cap and _cpu_kernel_fits(head_dim, block_size, dtype)
+            name = "cpu" if fits else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
+        if logits_soft_cap:
+            raise ValueError(
+                "attention backend 'cpu' does not cap attention logits (Gemma 2's "
+                "attn_logit_softcapping); use 'torch'"
+            )
         return _cpu_backend(device, head_dim, block_size, dtype)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

@@ -71,7 +71,9 @@ class AttentionBackend(Protocol):
     `attend`'s `sliding_window` is the calling layer's own, since layers of one model may
     differ (Gemma 3 windows five layers in six): with W > 0 the token at position p sees only
     keys at positions p - W < k <= p (W keys, itself included), as Hugging Face's masks
-    define it; 0 means full causal attention.
+    define it; 0 means full causal attention. `logits_soft_cap` C > 0 (Gemma 2's
+    attn_logit_softcapping) replaces each scaled score s by C * tanh(s / C) before the
+    softmax; 0 leaves scores as they are. The `cpu` backend has no cap and refuses one.
 
     `cuda_graph_safe`: during a step the backend reads only device tensors of the metadata
     (never its host copies or a device value synced to the host), so a CUDA graph captured
@@ -102,4 +104,5 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         softmax_scale: float,
         sliding_window: int = 0,
+        logits_soft_cap: float = 0.0,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

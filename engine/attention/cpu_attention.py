@@ -275,9 +275,13 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         softmax_scale: float,
         sliding_window: int = 0,
+        logits_soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys (only the last
         `sliding_window` of them, itself included, when > 0)."""
+        if logits_soft_cap:
+            # get_attention_backend never picks this backend for such a model.
+            raise ValueError("the cpu attention backend does not cap attention logits")
         # The long-chunk path has no window: the op sends a windowed call's chunks all to
         # the kernel.
         return torch.ops.tidegate_cpu.attend(

@@ -74,12 +74,15 @@ def paged_attention(
     layer: int,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write this layer's new keys/values to its cache, then attend (only the last
-    `sliding_window` keys when > 0); [T, H, D] out."""
+    `sliding_window` keys when > 0, scores capped at `logits_soft_cap` when > 0); [T, H, D]
+    out."""
+    args = (query, key, value, layer, scale, sliding_window, logits_soft_cap)
     if torch.compiler.is_compiling():
-        return torch.ops.tidegate.paged_attention(query, key, value, layer, scale, sliding_window)
-    return _paged_attention(query, key, value, layer, scale, sliding_window)
+        return torch.ops.tidegate.paged_attention(*args)
+    return _paged_attention(*args)
 
 
 @torch.library.custom_op("tidegate::paged_attention", mutates_args=())
@@ -90,6 +93,7 @@ def _paged_attention(
     layer: int,
     scale: float,
     sliding_window: int,
+    logits_soft_cap: float,
 ) -> torch.Tensor:
     # The cache write is a side effect the compiler never sees: nothing in the graph reads
     # the caches, and this op's output (which depends on the write) keeps it from being dropped.
@@ -97,7 +101,9 @@ def _paged_attention(
         raise RuntimeError("paged_attention called outside attention_context(...)")
     k_cache, v_cache = _context.kv_caches[layer]
     _context.backend.write_kv(key, value, k_cache, v_cache, _context.meta)
-    return _context.backend.attend(query, k_cache, v_cache, _context.meta, scale, sliding_window)
+    return _context.backend.attend(
+        query, k_cache, v_cache, _context.meta, scale, sliding_window, logits_soft_cap
+    )
 
 
 @_paged_attention.register_fake
@@ -108,5 +114,6 @@ def _(
     layer: int,
     scale: float,
     sliding_window: int,
+    logits_soft_cap: float,
 ):
     return torch.empty_like(query)

@@ -48,9 +48,11 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         softmax_scale: float,
         sliding_window: int = 0,
+        logits_soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys (only the last
-        `sliding_window` of them, itself included, when > 0)."""
+        `sliding_window` of them, itself included, when > 0; scores capped at
+        `logits_soft_cap` when > 0)."""
         out = torch.empty_like(query)
         out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
         starts = meta.query_start_loc_cpu[: meta.num_seqs + 1].long()
@@ -65,7 +67,14 @@ class TorchAttentionBackend:
             tables = meta.block_table[group.to(query.device)]
             q = query.index_select(0, rows)
             o = _decode_batch(
-                q, k_cache, v_cache, tables, seq_lens[group], softmax_scale, sliding_window
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens[group],
+                softmax_scale,
+                sliding_window,
+                logits_soft_cap,
             )
             out.index_copy_(0, rows, o)
         for i in (query_lens > 1).nonzero().flatten().tolist():
@@ -78,6 +87,7 @@ class TorchAttentionBackend:
                 int(seq_lens[i]),
                 softmax_scale,
                 sliding_window,
+                logits_soft_cap,
             )
         return out
 
@@ -111,6 +121,7 @@ def _decode_batch(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    cap: float = 0.0,
 ) -> torch.Tensor:
     """One SDPA call for D single-token queries [D, H, Dh], keys padded to the longest.
 
@@ -148,8 +159,33 @@ def _decode_batch(
     mask = key_pos[None, :] < seq_lens
     if window > 0:
         mask &= key_pos[None, :] >= seq_lens - window
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], scale=scale)
+    o = _attention(q, keys, values, mask[:, None, None], scale, cap)
     return o.reshape(num_decodes, num_heads, head_dim)
+
+
+def _attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA with a boolean mask; with a cap C > 0 the same attention written out, each
+    scaled score s as C * tanh(s / C) before the mask and an fp32 softmax (SDPA has no cap).
+    `gqa`: query heads outnumber the key heads, each group of them reading one."""
+    if not cap:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+    scores = (query @ keys.transpose(-1, -2)).float() * scale
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).to(values.dtype) @ values
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -171,6 +207,7 @@ def attend_chunk(
     seq_len: int,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one sequence's chunk of L new tokens, after seq_len - L cached ones."""
     block_size = k_cache.shape[1]
@@ -184,7 +221,8 @@ def attend_chunk(
     blocks = block_table[first : -(-seq_len // block_size)].long()
     keys = _gather_blocks(k_cache, blocks).flatten(0, 1)  # [S rounded up to blocks, Hkv, Dh]
     values = _gather_blocks(v_cache, blocks).flatten(0, 1)
-    return attend_gathered(query, keys, values, seq_len - first * block_size, scale, sliding_window)
+    seq_len -= first * block_size
+    return attend_gathered(query, keys, values, seq_len, scale, sliding_window, logits_soft_cap)
 
 
 def attend_gathered(
@@ -194,6 +232,7 @@ def attend_gathered(
     seq_len: int,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """`attend_chunk` over keys and values already gathered: [>= seq_len, Hkv, Dh], the
     sequence's positions in order (a last block's tail past seq_len is ignored)."""
@@ -207,7 +246,7 @@ def attend_gathered(
     # 3-D ones fall back to the quadratic-memory math path (10x slower on 2k-token prompts).
     q = _heads_first(query)[None]  # [1, H, L, Dh]
     keys, values = keys[None], values[None]
-    if context_len == 0 and sliding_window == 0:
+    if context_len == 0 and sliding_window == 0 and not logits_soft_cap:
         o = F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -219,8 +258,6 @@ def attend_gathered(
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window > 0:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        o = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        o = _attention(q, keys, values, mask, scale, logits_soft_cap, gqa=True)
     o = o[0]
     return _heads_first(o)

@@ -62,9 +62,11 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         softmax_scale: float,
         sliding_window: int = 0,
+        logits_soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys (only the last
-        `sliding_window` of them, itself included, when > 0)."""
+        `sliding_window` of them, itself included, when > 0; scores capped at
+        `logits_soft_cap` when > 0)."""
         out = torch.empty_like(query)
         out[meta.num_tokens :].zero_()  # padding rows, if any: defined, never read
         unified_attention(
@@ -79,6 +81,7 @@ class TritonAttentionBackend:
             # A host int fixed per layer, as the kernel's SLIDING switch: a captured CUDA
             # graph replays each layer with its own window.
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
@@ -96,6 +99,7 @@ def unified_attention(
     softmax_scale: float,
     *,
     sliding_window: int | None = None,
+    logits_soft_cap: float = 0.0,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     split_kv: bool | None = None,
@@ -107,7 +111,8 @@ def unified_attention(
     new tokens); block_table int32 [num_seqs, max_blocks_per_seq], entries past a sequence's
     blocks may be -1 and are never read. The token at query offset j of sequence i sees key
     positions p < seq_lens[i] - query_len_i + j + 1; with `sliding_window=W` only the last W
-    of those (itself included), as Mistral's and Hugging Face's masks define it.
+    of those (itself included), as Mistral's and Hugging Face's masks define it. With
+    `logits_soft_cap=C` > 0 each scaled score s becomes C * tanh(s / C) (Gemma 2).
 
     max_query_len/max_seq_len are host ints used only to pick tile sizes and the split-KV
     path (read from the tensors, one sync, when not given); `split_kv` forces that path on
@@ -156,6 +161,8 @@ def unified_attention(
         seq_lens,
         block_table,
         softmax_scale * math.log2(math.e),
+        # The cap in the kernel's base-2 units: scores come scaled by log2(e).
+        logits_soft_cap * math.log2(math.e),
         num_seqs,
         sliding_window or 0,
         q.stride(0),
@@ -180,6 +187,7 @@ def unified_attention(
         TILE_N=tile_n,
         NUM_SEGMENTS=num_segments,
         SLIDING=bool(sliding_window),
+        SOFT_CAP=logits_soft_cap > 0,
         UPCAST=interpreted and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
@@ -336,6 +344,7 @@ def _attention_kernel(
     seq_lens,
     block_table,
     scale_log2,  # softmax_scale * log2(e): scores go through exp2
+    soft_cap_log2,  # logits_soft_cap * log2(e), read when SOFT_CAP
     num_seqs,
     window,
     stride_q_tok,
@@ -360,6 +369,7 @@ def _attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr,  # bf16 under the interpreter, which cannot do bf16 arithmetic
     DOT_PRECISION: tl.constexpr,
 ):
@@ -423,6 +433,11 @@ def _attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFT_CAP:
+            # C * tanh(s / C) in base-2 units (both sides scaled by log2(e)); tanh(x) as
+            # 1 - 2 / (e^(2x) + 1), which saturates to +-1 without overflow trouble.
+            e2x = tl.math.exp2((2.0 * 1.4426950408889634 / soft_cap_log2) * s)
+            s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
         allowed = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
         if SLIDING:
             allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,43 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
+# Multimodal architectures whose language model is served on its own: text in, text out, and
+# their vision tower and projector left unread.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Gemma's configuration classes' defaults, which a config.json may leave out (a Gemma 3 4B
+# folder's text_config names only what differs from them).
+_GEMMA_SHARED_DEFAULTS = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": {
+        **_GEMMA_SHARED_DEFAULTS,
+        "vocab_size": 256_000,
+        "max_position_embeddings": 8192,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "Gemma3ForCausalLM": {
+        **_GEMMA_SHARED_DEFAULTS,
+        "vocab_size": 262_208,
+        "max_position_embeddings": 131_072,
+    },
+}
 # Qwen3's attention normalises each query and key head (q_norm, k_norm) before RoPE.
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -48,7 +84,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a decoder-only model of the Llama family: Llama, Mistral, Qwen2,
-    Qwen3, Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
+    Qwen3, Gemma 2 and 3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
 
     architecture: str
     vocab_size: int
@@ -87,6 +123,8 @@ class ModelConfig:
     # base frequency): (theta, scaling), as rope_theta and rope_scaling.
     local_rope: tuple[float, dict[str, Any] | None] | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma 2: each attention score s becomes cap * tanh(s / cap) before the softmax.
+    attn_logit_softcapping: float | None = None
 
     def window(self, layer: int) -> int:
         """Decoder layer `layer`'s sliding window (0: full attention)."""
@@ -158,7 +196,12 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], extra_eos: list[int] | None = None) -> ModelConfig:
         """Build from the parsed config.json; extra_eos come from generation_config.json."""
         architecture = _architecture(raw)
-        is_gemma = architecture == "Gemma3ForCausalLM"
+        if architecture in TEXT_OF_MULTIMODAL:
+            text = cls.from_dict(_language_model_config(architecture, raw), extra_eos)
+            return dataclasses.replace(text, architecture=architecture)
+        is_gemma = architecture in _GEMMA_DEFAULTS
+        if is_gemma:
+            raw = {**_GEMMA_DEFAULTS[architecture], **raw}
         # Gemma names its activation hidden_activation (its hidden_act is a legacy key).
         act_name = raw.get("hidden_activation") if is_gemma else None
         act_name = act_name or raw.get("hidden_act") or "silu"
@@ -173,20 +216,17 @@ class ModelConfig:
         is_qwen = is_qwen2 or architecture in _QWEN3
         heads = raw["num_attention_heads"]
         attention_bias = bool(raw.get("attention_bias", False))
-        # Qwen3's and Gemma 3's configuration classes default head_dim to 128 and 256, not
-        # hidden_size / heads.
-        default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}
-        head_dim = raw.get("head_dim") or default_head_dim.get(
-            architecture, raw["hidden_size"] // heads
+        # Qwen3's configuration class defaults head_dim to 128, not hidden_size / heads.
+        default_head_dim = (
+            128 if architecture == "Qwen3ForCausalLM" else raw["hidden_size"] // heads
         )
-        if is_gemma:
+        head_dim = raw.get("head_dim") or default_head_dim
+        if architecture == "Gemma3ForCausalLM":
             (rope_theta, rope_scaling), local_rope = _gemma3_rope(raw)
         else:
             (rope_theta, rope_scaling), local_rope = _rope(raw), None
-        eos = _as_list(raw.get("eos_token_id", 1 if is_gemma else None))
+        eos = _as_list(raw.get("eos_token_id"))
         eos += [t for t in extra_eos or [] if t not in eos]
-        # Gemma's configuration class defaults: what a config.json may leave out.
-        defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": True}
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -199,28 +239,25 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get(
-                "max_position_embeddings", defaults["max_position_embeddings"] if is_gemma else 2048
-            ),
-            tie_word_embeddings=bool(
-                raw.get("tie_word_embeddings", is_gemma and defaults["tie_word_embeddings"])
-            ),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama's, Qwen3's and Gemma's
             # flag covers all four (Mixtral has none).
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=not is_qwen2 and attention_bias,
             mlp_bias=not is_qwen and not is_gemma and bool(raw.get("mlp_bias", False)),
-            bos_token_id=raw.get("bos_token_id", 2 if is_gemma else None),
+            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             layer_windows=_layer_windows(architecture, raw),
-            qk_norm=architecture in _QWEN3 or is_gemma,
+            qk_norm=architecture in (*_QWEN3, "Gemma3ForCausalLM"),
             moe=_moe(architecture, raw),
             hidden_act=_ACTIVATIONS[act_name],
-            attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5 if is_gemma else None,
+            attention_scale=raw["query_pre_attn_scalar"] ** -0.5 if is_gemma else None,
             gemma_layout=is_gemma,
             local_rope=local_rope,
             final_logit_softcapping=raw.get("final_logit_softcapping") if is_gemma else None,
+            attn_logit_softcapping=raw.get("attn_logit_softcapping") if is_gemma else None,
         )
 
 
@@ -235,28 +272,43 @@ def _architecture(raw: dict[str, Any]) -> str:
     )
 
 
+def _language_model_config(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's language model as a config.json of its own: its
+    text_config, with the token ids, dtype and tying the whole model's top level names."""
+    text = dict(raw.get("text_config") or {})
+    text["architectures"] = [TEXT_OF_MULTIMODAL[architecture]]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in raw:
+            text[key] = raw[key]
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if dtype is not None:
+        text["dtype"] = dtype
+    return text
+
+
 def _layer_windows(architecture: str, raw: dict[str, Any]) -> tuple[int, ...]:
     """Each decoder layer's sliding window (0: none), as transformers reads config.json.
 
     Mistral, Mixtral and Qwen3-MoE window every layer when they have a window; Qwen2, Qwen3
-    and Gemma 3 the layers `layer_types` calls sliding_attention, whose default is Qwen's
-    layers from max_window_layers on and Gemma's five in every six (sliding_window_pattern).
+    and Gemma the layers `layer_types` calls sliding_attention, whose default is Qwen's
+    layers from max_window_layers on, every other layer of Gemma 2 and five in every six of
+    Gemma 3 (sliding_window_pattern).
     Llama has none; Qwen's window counts only with use_sliding_window.
     """
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window") if architecture != "LlamaForCausalLM" else None
     if architecture in ("Qwen2ForCausalLM", *_QWEN3) and not raw.get("use_sliding_window"):
         window = None
-    if architecture == "Gemma3ForCausalLM" and "sliding_window" not in raw:
-        window = 4096  # its configuration class's default
     if not window:
         return (0,) * layers
-    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *_GEMMA_DEFAULTS):
         return (window,) * layers
     types = raw.get("layer_types")
     if types is None:
-        if architecture == "Gemma3ForCausalLM":
-            pattern = raw.get("sliding_window_pattern", 6)
+        if architecture in _GEMMA_DEFAULTS:
+            # Gemma 2 alternates; Gemma 3 windows five layers in six.
+            default = 2 if architecture == "Gemma2ForCausalLM" else 6
+            pattern = raw.get("sliding_window_pattern", default)
             sliding = [bool((i + 1) % pattern) for i in range(layers)]
         else:
             first = raw.get("max_window_layers", 28)
@@ -273,10 +325,6 @@ def _layer_windows(architecture: str, raw: dict[str, Any]) -> tuple[int, ...]:
 
 def _check_gemma(raw: dict[str, Any]) -> None:
     """Refuse the Gemma options the engine does not compute, saying which."""
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ValueError(
-            "attn_logit_softcapping is not supported: the attention kernels do not cap scores"
-        )
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention is not supported: the engine is causal")
 

@@ -1,8 +1,9 @@
 """The Llama decoder, which also serves its relatives: Mistral and Qwen2 (they differ in
-biases and sliding windows), Qwen3 (a norm over each query and key head), Gemma 3 (Gemma's
-norms, GeGLU, a scaled embedding, and sliding-window layers with their own RoPE between
-full-attention ones) and the mixture-of-experts Mixtral and Qwen3-MoE (moe.py's experts in
-place of the MLP)."""
+biases and sliding windows), Qwen3 (a norm over each query and key head), Gemma 2 and 3
+(Gemma's norms, GeGLU, a scaled embedding, sliding-window layers between full-attention
+ones; Gemma 2 caps attention and final logits, Gemma 3 normalises queries and keys and
+rotates its sliding layers with their own RoPE) and the mixture-of-experts Mixtral and
+Qwen3-MoE (moe.py's experts in place of the MLP)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.sliding_window = config.window(layer)  # 0: every earlier key
+        self.logits_soft_cap = config.attn_logit_softcapping or 0.0  # Gemma 2
         self.qkv_proj = QKVLinear(
             config.hidden_size,
             self.head_dim,
@@ -84,7 +86,9 @@ class LlamaAttention(nn.Module):
         if self.layer_op is not None:
             out = self.layer_op(q, k, v, self.layer, self.scale, self.sliding_window)
         else:
-            out = paged_attention(q, k, v, self.layer, self.scale, self.sliding_window)
+            out = paged_attention(
+                q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap
+            )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -217,7 +221,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config)
-        layer_op = layer_attention_op(backend)
+        # The layer ops have no logit cap: a capped model's attention goes through the
+        # backend's attend (and get_attention_backend gives such a model no backend that
+        # lacks one).
+        layer_op = None if config.attn_logit_softcapping else layer_attention_op(backend)
         for module in self.model.modules():
             if isinstance(module, LlamaAttention):
                 module.layer_op = layer_op

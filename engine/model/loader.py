@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tidegate.engine.attention.backend import AttentionBackend
-from tidegate.engine.model.config import ModelConfig, checkpoint_files
+from tidegate.engine.model.config import TEXT_OF_MULTIMODAL, ModelConfig, checkpoint_files
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS
 
@@ -29,6 +29,12 @@ _FUSED_NAME = re.compile(r"\.(" + "|".join(_FUSED) + r")\.")
 _EXPERT_NAME = re.compile(
     r"\.mlp\.experts\.(\d+)\.(" + "|".join(EXPERT_PROJECTIONS) + r")\.weight$"
 )
+# A multimodal checkpoint's language model under our names: transformers 4 saved it as
+# language_model.model.* (and language_model.lm_head), transformers 5 reads model.language_model.*;
+# the vision tower and the projector are not read.
+_LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
+_LANGUAGE_MODEL_HEAD = "language_model.lm_head."
+_VISION_PARTS = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
@@ -79,7 +85,14 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, Any]]) ->
     loaded: set[str] = set()
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
+    multimodal = model.config.architecture in TEXT_OF_MULTIMODAL
     for hf_name, tensor in tensors:
+        if multimodal:
+            if _VISION_PARTS.match(hf_name):
+                continue  # served as a text model: images are refused before the engine
+            hf_name = _LANGUAGE_MODEL.sub("model.", hf_name, count=1)
+            if hf_name.startswith(_LANGUAGE_MODEL_HEAD):
+                hf_name = "lm_head." + hf_name.removeprefix(_LANGUAGE_MODEL_HEAD)
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue  # recomputed buffers, and the copy of a tied embedding
         name, shard = _our_name(hf_name)

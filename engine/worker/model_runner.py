@@ -72,6 +72,7 @@ class ModelRunner:
             head_dim=model_config.head_dim,
             block_size=args.block_size,
             dtype=self.dtype,
+            logits_soft_cap=model_config.attn_logit_softcapping is not None,
         )
         self.model, _ = load_model(
             args.model, self.dtype, device, self.attn_backend, config=model_config

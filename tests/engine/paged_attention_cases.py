@@ -73,8 +73,9 @@ def poisoned_cache(
     return cache.to(device)
 
 
-def reference_attention(query, k_cache, v_cache, chunks, tables, scale, window=None):
-    """Per sequence: dense fp32 scores over gathered keys with an explicit causal mask."""
+def reference_attention(query, k_cache, v_cache, chunks, tables, scale, window=None, cap=None):
+    """Per sequence: dense fp32 scores over gathered keys with an explicit causal mask; with
+    `cap`, each scaled score s is cap * tanh(s / cap) first (Gemma 2's soft cap)."""
     query, k_cache, v_cache = query.cpu(), k_cache.cpu(), v_cache.cpu()
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -87,6 +88,8 @@ def reference_attention(query, k_cache, v_cache, chunks, tables, scale, window=N
         values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
         q = query[start : start + query_len].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", q, keys) * scale
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
         query_pos = context_len + torch.arange(query_len)
         allowed = positions[None, :] <= query_pos[:, None]
         if window is not None:

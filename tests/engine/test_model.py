@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.attention import TorchAttentionBackend
 from tidegate.engine.attention.backend import AttentionMetadata
 from tidegate.engine.model.config import ModelConfig
@@ -95,10 +96,11 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma3"])
+@pytest.fixture(params=["llama", "qwen2", "mistral", "gemma2", "gemma3"])
 def model_dir(request) -> Path:
-    """Mistral windows every layer (40 tokens) and Gemma 3 one of two (24 tokens): shorter
-    than the longer prompts, so the windows are exercised across chunks and decodes."""
+    """Mistral windows every layer (40 tokens) and Gemma one of two (24 tokens): shorter
+    than the longer prompts, so the windows are exercised across chunks and decodes; Gemma 2
+    caps its attention scores."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
@@ -340,6 +342,46 @@ def test_gemma3_config_reads_as_transformers_does(changes):
     assert config.eos_token_ids == [1, 106] and config.max_model_len == 32768
 
 
+# Gemma 2 2B's config.json as published: no layer_types (every other layer windowed).
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 107],
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 4,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "torch_dtype": "float32",
+    "vocab_size": 256000,
+}
+
+
+def test_gemma2_config_reads_as_transformers_does():
+    from transformers import Gemma2Config
+
+    config = ModelConfig.from_dict(GEMMA2_2B)
+    reference = Gemma2Config(**{k: v for k, v in GEMMA2_2B.items() if k != "architectures"})
+    sliding = [t == "sliding_attention" for t in reference.layer_types]
+    assert config.layer_windows == tuple(4096 if s else 0 for s in sliding)
+    assert config.layer_windows[:2] == (4096, 0)  # the first layer is windowed
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert not config.qk_norm and config.local_rope is None and config.rope_theta == 10000.0
+    assert config.tie_word_embeddings and config.gemma_layout
+    assert config.attention_scale == 256**-0.5 and config.eos_token_ids == [1, 107]
+
+
 def test_sliding_windows_of_mistral_and_llama():
     mistral = {**GEMMA3_1B, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
     assert ModelConfig.from_dict(mistral).layer_windows == (4096,) * 26
@@ -352,7 +394,6 @@ def test_sliding_windows_of_mistral_and_llama():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"hidden_activation": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"layer_types": ["sliding_attention"] * 3}, "names 3 layers, not 26"),
@@ -386,3 +427,126 @@ def test_loader_names_missing_and_unexpected_tensors(tmp_path, tiny_llama_dir):
         load_model(tmp_path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
     assert "model.layers.1.self_attn.qkv_proj.weight[k]" in str(error.value)
     assert "model.layers.0.mlp.extra.weight" in str(error.value)
+
+
+def _multimodal_gemma3(text_dir: Path, out: Path, names: str) -> Path:
+    """A Gemma3ForConditionalGeneration folder around the tiny Gemma 3's language model (a
+    tiny vision tower beside it), its tensors under transformers 4's names ("v4":
+    language_model.model.*, as Gemma 3 4B and up are published) or 5's (model.language_model.*).
+    Its embedding is tied to the LM head, as those models' are."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    raw = json.loads((text_dir / "config.json").read_text())
+    top = ("architectures", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+    text_config = {k: v for k, v in raw.items() if k not in top}
+    # Tied, and no final logit cap (transformers' multimodal class would not apply one): as
+    # the published models.
+    text_config.update(tie_word_embeddings=True, final_logit_softcapping=None)
+    vocab = raw["vocab_size"]
+    config = Gemma3Config(
+        text_config=text_config,
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1,
+        bos_token_id=raw["bos_token_id"],
+        eos_token_id=raw["eos_token_id"],
+        pad_token_id=raw["pad_token_id"],
+    )
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    weights = load_file(text_dir / "model.safetensors")
+    language_model = {
+        k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"
+    }
+    hf.model.language_model.load_state_dict(language_model, strict=True)
+    hf.save_pretrained(out)  # transformers 4's names, as it saves them for the Hub
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((text_dir / name).read_bytes())
+    if names == "v5":
+        saved = load_file(out / "model.safetensors")
+        renamed = {
+            k.replace("language_model.model.", "model.language_model.", 1)
+            .replace("vision_tower.", "model.vision_tower.", 1)
+            .replace("multi_modal_projector.", "model.multi_modal_projector.", 1): v
+            for k, v in saved.items()
+        }
+        save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("names", ["v4", "v5"])
+def test_a_multimodal_gemma3_folder_serves_its_language_model(tmp_path, tiny_gemma3_dir, names):
+    # Gemma 3 4B, 12B and 27B ship as Gemma3ForConditionalGeneration: the engine serves
+    # their text, with the same logits as transformers' whole model given text only.
+    from transformers import Gemma3ForConditionalGeneration
+
+    model_dir = _multimodal_gemma3(tiny_gemma3_dir, tmp_path / "mm", names)
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.architecture == "Gemma3ForConditionalGeneration"
+    assert config.layer_windows == (24, 0) and config.gemma_layout
+    assert config.tie_word_embeddings and config.eos_token_ids == [2]
+    prompts = random_prompts([50, 3], seed=7)
+    got = PagedRun(model_dir).step([(i, p, 0) for i, p in enumerate(prompts)])
+    hf = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for ours, prompt in zip(got, prompts, strict=True):
+            ref = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+            torch.testing.assert_close(ours, ref, atol=FP32_ATOL, rtol=0)
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    # The whole engine, its chat template from the processor's chat_template.json.
+    template = json.loads((model_dir / "tokenizer_config.json").read_text()).pop("chat_template")
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    config_file = model_dir / "tokenizer_config.json"
+    config_file.write_text(
+        json.dumps(
+            {k: v for k, v in json.loads(config_file.read_text()).items() if k != "chat_template"}
+        )
+    )
+    with LLM(str(model_dir), dtype="float32", max_model_len=256) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
+        assert chat[0].prompt_token_ids[:2] == [1, 4]  # <s><|user|>: the template was found
+
+
+def test_a_multimodal_gemma3_text_config_takes_gemma3_defaults():
+    # Gemma 3 4B's config.json: its text_config names only what differs from the defaults.
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    config = ModelConfig.from_dict(raw)
+    assert (config.vocab_size, config.num_attention_heads, config.num_key_value_heads) == (
+        262_208,
+        8,
+        4,
+    )
+    assert config.head_dim == 256 and config.tie_word_embeddings
+    assert config.torch_dtype == "bfloat16" and config.eos_token_ids == [1, 106]
+    assert config.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.local_rope == (10_000.0, None)

@@ -281,3 +281,38 @@ def test_windowed_chunk_functions_take_the_window_too():
     torch.testing.assert_close(out_fresh, expected[:40], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_after, expected[40:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_gathered, expected[40:], atol=1e-5, rtol=1e-5)
+
+
+# -- Soft-capped scores (Gemma 2's attn_logit_softcapping), per call ----------------------
+
+
+@pytest.mark.parametrize("window", [0, 24], ids=["full", "windowed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_capped_scores_equal_the_reference(window, dtype):
+    # A cap of 2 on scores up to about 10 (query x 3): most scores bend, so a cap that was
+    # skipped, applied after the mask or before the scale would show.
+    chunks = WINDOW_CHUNKS + cases.mixed_chunks(random.Random(31), 16)
+    meta, tables, k_cache, v_cache, query = windowed_case(chunks, 16, 4, dtype, 31)
+    query = (query.float() * 3).to(dtype)
+    scale, cap = HEAD_DIM**-0.5, 2.0
+    backend = TorchAttentionBackend()
+
+    out = backend.attend(query, k_cache, v_cache, meta, scale, window, cap)
+
+    reference = cases.reference_attention
+    expected = reference(query, k_cache, v_cache, chunks, tables, scale, window or None, cap)
+    uncapped = reference(query, k_cache, v_cache, chunks, tables, scale, window or None)
+    assert out.dtype == dtype and out.isfinite().all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    assert (expected - uncapped).abs().max() > 0.1  # the cap does change the output
+
+
+def test_a_capped_model_gets_no_backend_without_a_cap():
+    cpu = torch.device("cpu")
+    # auto keeps the reference (the C++ kernel has no cap); asking for cpu says why.
+    assert isinstance(
+        get_attention_backend("auto", cpu, logits_soft_cap=True), TorchAttentionBackend
+    )
+    with pytest.raises(ValueError, match="does not cap attention logits"):
+        get_attention_backend("cpu", cpu, logits_soft_cap=True)

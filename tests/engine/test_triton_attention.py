@@ -64,8 +64,8 @@ def run_case(chunks, head_dim, block_size, group, dtype, seed, **kwargs):
         scale,
         **kwargs,
     )
-    window = kwargs.get("sliding_window")
-    expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    window, cap = kwargs.get("sliding_window"), kwargs.get("logits_soft_cap")
+    expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window, cap)
     return out, expected
 
 
@@ -158,6 +158,23 @@ def test_the_backend_gives_each_call_its_own_window():
     torch.testing.assert_close(windowed.cpu(), expected_windowed, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(full.cpu(), expected_full, atol=2e-5, rtol=2e-5)
     assert not torch.allclose(expected_windowed, expected_full)  # the windows do differ
+
+
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "windowed"])
+@pytest.mark.parametrize("split_kv", [False, True], ids=["one-pass", "split-kv"])
+def test_capped_scores_equal_the_reference(split_kv, window):
+    # Gemma 2's soft cap in the kernel's base-2 units, with and without a window; the
+    # split-KV path (few long decodes) caps its segments' scores as well. A cap of 0.5 bends
+    # most scores (about unit-sized here), so a skipped or misplaced cap shows.
+    mixed = [(70, 1), (5, 1), (40, 30), (0, 33), (23, 1)]
+    chunks = [(300, 1), (150, 1)] if split_kv else mixed
+    kwargs = dict(sliding_window=window, logits_soft_cap=0.5, split_kv=split_kv)
+
+    out, expected = run_case(chunks, 64, 16, 2, torch.float32, 17, **kwargs)
+
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+    _, uncapped = run_case(chunks, 64, 16, 2, torch.float32, 17, sliding_window=window)
+    assert (expected - uncapped).abs().max() > 0.05  # the cap does change the output
 
 
 def test_many_query_heads_on_one_kv_head():

@@ -13,8 +13,9 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 from tidegate.engine import LLM, SamplingParams
 
 
-# Gemma 3: a 24-token sliding-window layer beside a full one, in the kernel's SLIDING path.
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+# Gemma 3: a 24-token sliding-window layer beside a full one, in the kernel's SLIDING path;
+# Gemma 2 also caps its scores (SOFT_CAP).
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_greedy_output_is_token_identical_to_the_torch_backend(arch, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     shared = "The tide gate opens at dawn and closes at dusk, every day of the year, " * 2
