@@ -37,6 +37,9 @@ _TENSOR_NAME = re.compile(
     r"(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 
+# A multimodal model's vision parts (Gemma 3 4B and up), under any PEFT prefix.
+_VISION_PART = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
+
 
 class LoRAError(ValueError):
     """An adapter folder that cannot be served: the message says what is wrong."""
@@ -181,6 +184,13 @@ def _check_tensors(
     """The (layer, projection) pairs of a complete, well-shaped set of A and B tensors."""
     seen: dict[tuple[int, str], set[str]] = {}
     for name, meta in header.items():
+        if _VISION_PART.search(name):
+            # A multimodal model's vision tower has layers.<i>.self_attn.q_proj too: refused
+            # by name, not mistaken for the language model's layer.
+            raise LoRAError(
+                f"{name!r} adapts the vision tower or projector; this server serves the "
+                "language model only (target its modules alone)"
+            )
         match = _TENSOR_NAME.search(name)
         if match is None:
             raise LoRAError(

@@ -80,7 +80,10 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen2_dir"])
+# Gemma 2: its capped attention runs on the torch backend, with the adapters' deltas.
+@pytest.mark.parametrize(
+    "arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+)
 def test_adapter_output_equals_transformers_with_peft(arch, request, tmp_path):
     model_dir = request.getfixturevalue(arch)
     adapters = adapters_for(model_dir, tmp_path)
@@ -265,6 +268,7 @@ def broken(adapter: Path, **config_changes) -> Path:
         (lambda a: (a / "adapter_model.safetensors").unlink() or a, "no adapter_model"),
         (lambda a: _truncate(a / "adapter_model.safetensors") or a, "truncated"),
         (lambda a: a / "missing", "is not a directory"),
+        (lambda a: _vision_tensor(a), "adapts the vision tower"),
     ],
     ids=[
         "rank-too-large",
@@ -277,6 +281,7 @@ def broken(adapter: Path, **config_changes) -> Path:
         "no-weights",
         "truncated",
         "no-folder",
+        "vision-tower",
     ],
 )
 def test_a_broken_adapter_is_refused_by_name_and_nothing_is_registered(
@@ -293,6 +298,20 @@ def test_a_broken_adapter_is_refused_by_name_and_nothing_is_registered(
 
 def _write(file: Path, text: str) -> None:
     file.write_text(text)
+
+
+def _vision_tensor(adapter: Path) -> Path:
+    """One tensor renamed as a multimodal adapter names its vision tower's layers."""
+    from safetensors.torch import load_file, save_file
+
+    file = adapter / "adapter_model.safetensors"
+    tensors = load_file(file)
+    name = next(iter(tensors))
+    vision = name.replace("model.layers.", "model.vision_tower.vision_model.encoder.layers.", 1)
+    assert vision != name
+    tensors[vision] = tensors.pop(name)
+    save_file(tensors, file)
+    return adapter
 
 
 def _truncate(file: Path) -> None:

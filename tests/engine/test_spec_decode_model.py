@@ -96,6 +96,19 @@ def test_guesses_change_no_token(tiny_llama_dir, reference, pool):
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_guesses_change_no_token_under_sliding_windows(arch, request):
+    # A step's guessed positions each see their own window (24 tokens, far shorter than the
+    # outputs); Gemma 2's capped scores run on the torch backend, Gemma 3 on the cpu kernel.
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    results, logprobs, _ = generate(model_dir)
+    spec_results, spec_logprobs, stats = generate(model_dir, **SPEC)
+    for expected, got in zip(results, spec_results, strict=True):
+        assert got == expected
+    assert_same_logprobs(logprobs, spec_logprobs)
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
 def test_outputs_are_cut_at_max_tokens_and_the_context(tiny_llama_dir):
     """Guesses stop short of max_tokens and of max_model_len, however many would match."""
     prompt = [5] * 40
