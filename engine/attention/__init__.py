@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
@@ -14,6 +15,8 @@ from tidegate.engine.attention.backend import (
     KVLayout,
 )
 from tidegate.engine.attention.torch_attention import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -53,6 +56,11 @@ def get_attention_backend(
         else:
             fits = not logits_soft_cap and _cpu_kernel_fits(head_dim, block_size, dtype)
             name = "cpu" if fits else "torch"
+            if logits_soft_cap:
+                logger.warning(
+                    "the model caps attention logits, which the cpu kernel does not: using "
+                    "the slower torch attention backend"
+                )
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":

@@ -118,6 +118,14 @@ def test_two_stages_of_a_mixture_of_experts(tiny_qwen3_moe_dir):
     assert two == _generate(tiny_qwen3_moe_dir)
 
 
+def test_two_stages_of_gemma3_keep_each_layers_window(tiny_gemma3_dir):
+    """Gemma 3: the windowed layer 0 runs on the first stage and the full layer 1 on the
+    second; each keeps its own window, RoPE and norms (windows are by the model's layer
+    index, caches by the stage's)."""
+    two = _generate(tiny_gemma3_dir, pipeline_parallel_size=2)
+    assert two == _generate(tiny_gemma3_dir)
+
+
 def test_two_stages_preempt_on_a_tight_pool_as_one_does(tiny_llama_dir):
     """Nine blocks for five requests: requests are preempted and recomputed, some with a step
     in flight in the other stage, and the earlier stage relearns their sampled tokens."""
