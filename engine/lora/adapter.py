@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.config import MULTIMODAL_PARTS, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -37,8 +37,9 @@ _TENSOR_NAME = re.compile(
     r"(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 
-# A multimodal model's vision parts (Gemma 3 4B and up), under any PEFT prefix.
-_VISION_PART = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
+# A multimodal model's vision parts (Gemma 3 4B and up), and the tower's inner vision_model,
+# under any PEFT prefix.
+_VISION_PART = re.compile(r"(?:^|\.)(?:" + "|".join((*MULTIMODAL_PARTS, "vision_model")) + r")\.")
 
 
 class LoRAError(ValueError):

@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = (
 # Multimodal architectures whose language model is served on its own: text in, text out, and
 # their vision tower and projector left unread.
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# The modules of such a checkpoint that are not its language model (under model. in
+# transformers 5's names): the loader skips their tensors, and an adapter of them is refused.
+MULTIMODAL_PARTS = ("vision_tower", "multi_modal_projector")
 # Gemma's configuration classes' defaults, which a config.json may leave out (a Gemma 3 4B
 # folder's text_config names only what differs from them).
 _GEMMA_SHARED_DEFAULTS = {

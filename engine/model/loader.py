@@ -11,7 +11,12 @@ import torch
 from safetensors import safe_open
 
 from tidegate.engine.attention.backend import AttentionBackend
-from tidegate.engine.model.config import TEXT_OF_MULTIMODAL, ModelConfig, checkpoint_files
+from tidegate.engine.model.config import (
+    MULTIMODAL_PARTS,
+    TEXT_OF_MULTIMODAL,
+    ModelConfig,
+    checkpoint_files,
+)
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS
 
@@ -34,7 +39,7 @@ _EXPERT_NAME = re.compile(
 # the vision tower and the projector are not read.
 _LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
 _LANGUAGE_MODEL_HEAD = "language_model.lm_head."
-_VISION_PARTS = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+_VISION_PARTS = re.compile(r"^(?:model\.)?(?:" + "|".join(MULTIMODAL_PARTS) + r")\.")
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
