@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine, as one prepared run for a lent machine (an H100 or H200 with
 # CUDA, PyTorch and Triton installed, no network), in about 8 minutes:
-#   1. the Triton kernels on the GPU, not in the interpreter: paged attention and LoRA, and
-#      LoRA inside captured CUDA graphs (tests/engine/test_triton_attention.py,
-#      tests/engine/test_lora_triton.py);
+#   1. the Triton kernels on the GPU, not in the interpreter: paged attention, LoRA, and
+#      LoRA inside captured CUDA graphs, and FP8 products with group scales
+#      (tests/engine/test_triton_attention.py, tests/engine/test_lora_triton.py,
+#      tests/engine/test_fp8_triton.py);
 #   2. benchmarks/cuda_graphs.py at levels 0 and 2 (eager, then compiled with decode
 #      graphs), synchronous and with async scheduling: float32 greedy parity with a
 #      synchronous eager engine, then the decode step time at batch 1-128;
 #   3. the serving benchmark on the GPU (the small model at its CUDA defaults: level 2, the
 #      triton backend), synchronous against async scheduling, one run each at 4 req/s and at
-#      full load (vLLM's GPU build cannot be carried there, so no peer).
+#      full load (vLLM's GPU build cannot be carried there, so no peer);
+#   4. benchmarks/fp8_weights.py in bf16: FP8 weights' memory, decode speed and agreement
+#      against the bf16 weights, with real FP8 products (one repeat).
 # Everything it writes goes to $OUT (the device tool's folder), else benchmarks/results/gpu.
 #
 # The machine's image lacks some of the engine's dependencies. Before the run, here:
@@ -70,7 +73,7 @@ EOF
 
 echo "== 1. kernels on the GPU"
 "$PY" -m pytest -q -p no:cacheprovider -p no:schemathesis tests/engine/test_triton_attention.py \
-    tests/engine/test_lora_triton.py 2>&1 | tee "$OUT/kernels.log"
+    tests/engine/test_lora_triton.py tests/engine/test_fp8_triton.py 2>&1 | tee "$OUT/kernels.log"
 
 echo "== 2. CUDA graphs, synchronous then async scheduling"
 "$PY" benchmarks/cuda_graphs.py --levels 0 2 --out "$OUT/cuda_graphs.json" >/dev/null
@@ -80,3 +83,7 @@ echo "== 2. CUDA graphs, synchronous then async scheduling"
 echo "== 3. serving on the GPU, synchronous against async scheduling"
 "$PY" benchmarks/serving_vs_vllm.py --servers tidegate,tidegate-async --repeats 1 \
     --rates 4,inf --out-dir "$OUT" --readme "$OUT/README.md"
+
+echo "== 4. FP8 weights against bf16"
+"$PY" benchmarks/fp8_weights.py --dtype bfloat16 --repeats 1 --batch-sizes 1 32 \
+    --out "$OUT/fp8_weights.json"

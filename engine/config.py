@@ -107,6 +107,14 @@ class EngineArgs(BaseModel):
         "a 16-bit checkpoint on a CPU that has no dot products for it (x86 without AVX512_BF16 "
         "or AMX) where the float32 weights fit.",
     )
+    quantization: Literal["auto", "fp8", "none"] = Field(
+        "auto",
+        description="FP8 weights. auto: an FP8 checkpoint (config.json quantization_config) "
+        "runs FP8 products where the GPU has them (compute capability 8.9 or later) and is "
+        "dequantized to --dtype at load elsewhere. fp8: weights held in FP8, a 16/32-bit "
+        "checkpoint quantized at load (per output channel; activations per token): half the "
+        "memory of bf16 weights, emulated and slow on CPU. none: an FP8 checkpoint dequantized.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt plus output; defaults to the model's limit."

@@ -4,7 +4,8 @@ Mixtral.
 
 The folder is a normal Hugging Face model (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json), so transformers loads it
-too; that is how tests judge the engine. The tokenizer is a byte-level BPE trained offline on
+too; that is how tests judge the engine. `quantize` writes the decoder layers' linears as an
+FP8 checkpoint instead, in one of the layouts the engine reads (QUANTIZATIONS). The tokenizer is a byte-level BPE trained offline on
 `data/tiny_corpus.txt`, so nothing is ever downloaded.
 """
 
@@ -196,8 +197,13 @@ def make_tiny_model(
     size: str = "tiny",
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """Write the model folder to out_dir; the same arguments always give the same bytes."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantize {quantize!r} is not supported; choose {', '.join(QUANTIZATIONS)}"
+        )
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch {arch!r} is not supported; choose {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
@@ -207,6 +213,10 @@ def make_tiny_model(
     tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
     config = _config(arch, size, tokenizer.get_vocab_size(), rope_scaling)
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    weights = _random_weights(config, tokenizer.get_vocab_size(), seed)
+    if quantize is not None:
+        block = 32 if size == "tiny" else 128
+        config["quantization_config"] = QUANTIZATIONS[quantize](weights, block)
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
@@ -214,7 +224,6 @@ def make_tiny_model(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
-    weights = _random_weights(config, tokenizer.get_vocab_size(), seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes 0600; give it the permissions of the files written above.
     (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)
@@ -424,3 +433,90 @@ def _special_tokens_map() -> dict[str, Any]:
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+# --- FP8 checkpoints -------------------------------------------------------------------------
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _quantized_names(weights: dict[str, torch.Tensor]) -> list[str]:
+    """The decoder layers' linear weights, as quantizers pick them: not the embedding, the LM
+    head, norms, or a mixture's router (`mlp.gate`, `block_sparse_moe.gate`)."""
+    return [
+        name
+        for name, tensor in weights.items()
+        if ".layers." in name and tensor.dim() == 2 and not name.endswith(".gate.weight")
+    ]
+
+
+def _fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _quantize_blocks(weights: dict[str, torch.Tensor], block: int) -> dict[str, Any]:
+    """transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-FP8): a float32 scale per block x
+    block tile in `weight_scale_inv`, activations quantized per token at run time."""
+    for name in _quantized_names(weights):
+        weight = weights[name].float()
+        rows, cols = weight.shape
+        tiles = torch.nn.functional.pad(weight, (0, -cols % block, 0, -rows % block))
+        tiles = tiles.view(tiles.shape[0] // block, block, tiles.shape[1] // block, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+        weights[name] = _fp8(weight, full)
+        weights[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+
+
+def _quantize_channels(weights: dict[str, torch.Tensor], block: int) -> dict[str, Any]:
+    """llm-compressor's FP8_DYNAMIC (compressed-tensors): a scale per output channel in
+    `weight_scale` [out, 1], activations per token at run time."""
+    for name in _quantized_names(weights):
+        weight = weights[name].float()
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        weights[name] = _fp8(weight, scale)
+        weights[name.removesuffix(".weight") + ".weight_scale"] = scale
+    return _compressed_tensors("channel", {"strategy": "token", "dynamic": True})
+
+
+def _quantize_tensors(weights: dict[str, torch.Tensor], block: int) -> dict[str, Any]:
+    """llm-compressor's FP8 (compressed-tensors, static): one scale per tensor in
+    `weight_scale` [1], and a calibrated activation scale in `input_scale` [1]."""
+    for name in _quantized_names(weights):
+        weight = weights[name].float()
+        scale = (weight.abs().amax() / FP8_MAX).reshape(1)
+        weights[name] = _fp8(weight, scale)
+        prefix = name.removesuffix(".weight")
+        weights[prefix + ".weight_scale"] = scale
+        weights[prefix + ".input_scale"] = torch.tensor([0.01])
+    return _compressed_tensors("tensor", {"strategy": "tensor", "dynamic": False})
+
+
+def _compressed_tensors(strategy: str, activations: dict[str, Any]) -> dict[str, Any]:
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**scheme, "strategy": strategy, "dynamic": False},
+                "input_activations": {**scheme, **activations},
+            }
+        },
+    }
+
+
+QUANTIZATIONS: dict[str, Callable[[dict[str, torch.Tensor], int], dict[str, Any]]] = {
+    "fp8-block": _quantize_blocks,
+    "fp8-channel": _quantize_channels,
+    "fp8-tensor": _quantize_tensors,
+}

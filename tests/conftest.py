@@ -4,6 +4,7 @@ marks that decide what `make test-quick` runs."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ MODEL_FIXTURES = frozenset(
         "tiny_qwen3_dir",
         "tiny_qwen3_moe_dir",
         "tiny_mixtral_dir",
+        "tiny_fp8_model",
     }
 )
 # Modules elsewhere whose tests start servers, engines or commands in processes of their own.
@@ -180,3 +182,19 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Mixtral folder: four experts per layer, two per token (block_sparse_moe names)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    """FP8 checkpoints of the tiny models: (arch, quantize) -> folder, written once a session.
+    quantize is one of tiny_model.QUANTIZATIONS: fp8-block (32 x 32 blocks, transformers' fp8),
+    fp8-channel or fp8-tensor (compressed-tensors)."""
+    folders: dict[tuple[str, str], Path] = {}
+
+    def folder(arch: str, quantize: str) -> Path:
+        if (arch, quantize) not in folders:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{quantize}")
+            folders[arch, quantize] = make_tiny_model(out, arch=arch, quantize=quantize)
+        return folders[arch, quantize]
+
+    return folder

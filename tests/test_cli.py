@@ -30,6 +30,34 @@ def test_make_tiny_model_and_generate(tmp_path):
     assert "num_free_blocks" in generated.stdout
 
 
+def test_an_fp8_tiny_model_generates_with_each_quantization(tmp_path):
+    """make-tiny-model --quantize writes an FP8 checkpoint; generate serves it dequantized
+    (auto on CPU), and held in FP8 under --quantization fp8."""
+    model_dir = tmp_path / "fp8"
+    subprocess.run(
+        [*CLI, "make-tiny-model", str(model_dir), "--quantize", "fp8-block"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert '"quant_method": "fp8"' in (model_dir / "config.json").read_text()
+    generate = [*CLI, "generate", "--model", str(model_dir), "--max-tokens", "3"]
+    for quantization in ("auto", "fp8"):
+        generated = subprocess.run(
+            [*generate, "--prompt", "Hello", "--quantization", quantization],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "prompt: 'Hello'" in generated.stdout
+    bad = subprocess.run(
+        [*generate, "--prompt", "x", "--quantization", "awq"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
 def test_bad_engine_flag_values_exit_with_a_message(tmp_path):
     result = subprocess.run(
         [*CLI, "generate", "--model", "/nonexistent", "--prompt", "x", "--dtype", "int3"],

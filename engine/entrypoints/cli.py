@@ -20,7 +20,7 @@ from tidegate.engine.entrypoints.args import add_engine_args, engine_args_from
 def _make_tiny_model(ns: argparse.Namespace) -> int:
     from tidegate.engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(ns.dir, arch=ns.arch, size=ns.size, seed=ns.seed)
+    path = make_tiny_model(ns.dir, arch=ns.arch, size=ns.size, seed=ns.seed, quantize=ns.quantize)
     print(path)
     return 0
 
@@ -102,6 +102,13 @@ def add_make_tiny_model(parser: argparse.ArgumentParser, config: dict[str, Any] 
     parser.add_argument("--arch", choices=archs, default="llama")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8-block", "fp8-channel", "fp8-tensor"],  # tiny_model.QUANTIZATIONS
+        default=None,
+        help="write an FP8 checkpoint: 32 x 32 blocks (128 x 128 for small) as transformers' "
+        "fp8, or per channel / per tensor as compressed-tensors",
+    )
     parser.set_defaults(handler=_make_tiny_model)
 
 

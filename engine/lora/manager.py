@@ -59,7 +59,7 @@ class LoRAStack(nn.Module):
         weight = linear.packed if linear.packed is not None else linear.weight
         out_features, in_features = weight.shape
         width = len(self.shards) * rank
-        kwargs = {"dtype": weight.dtype, "device": weight.device}
+        kwargs = {"dtype": linear.dtype, "device": weight.device}  # not an FP8 weight's
         self.weights = LoRAWeights(
             a_stack=torch.zeros(slots, width, in_features, **kwargs),
             b_all=torch.zeros(out_features, slots * width, **kwargs),

@@ -128,6 +128,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Gemma 2: each attention score s becomes cap * tanh(s / cap) before the softmax.
     attn_logit_softcapping: float | None = None
+    # An FP8 checkpoint's scale layout (config.json quantization_config); None: unquantized.
+    fp8: Fp8Checkpoint | None = None
 
     def window(self, layer: int) -> int:
         """Decoder layer `layer`'s sliding window (0: full attention)."""
@@ -201,7 +203,8 @@ class ModelConfig:
         architecture = _architecture(raw)
         if architecture in TEXT_OF_MULTIMODAL:
             text = cls.from_dict(_language_model_config(architecture, raw), extra_eos)
-            return dataclasses.replace(text, architecture=architecture)
+            fp8 = read_fp8_checkpoint(raw.get("quantization_config"))
+            return dataclasses.replace(text, architecture=architecture, fp8=fp8)
         is_gemma = architecture in _GEMMA_DEFAULTS
         if is_gemma:
             raw = {**_GEMMA_DEFAULTS[architecture], **raw}
@@ -261,6 +264,7 @@ class ModelConfig:
             local_rope=local_rope,
             final_logit_softcapping=raw.get("final_logit_softcapping") if is_gemma else None,
             attn_logit_softcapping=raw.get("attn_logit_softcapping") if is_gemma else None,
+            fp8=read_fp8_checkpoint(raw.get("quantization_config")),
         )
 
 
@@ -426,3 +430,85 @@ def _generation_eos(model_dir: Path) -> list[int]:
     if not path.exists():
         return []
     return _as_list(json.loads(path.read_text()).get("eos_token_id"))
+
+
+# --- FP8 checkpoints (quantization.py holds the weights) ----------------------------------
+
+_SUPPORTED_QUANTIZATION = (
+    "FP8 checkpoints (quant_method fp8, fbgemm_fp8, or compressed-tensors with 8-bit float weights)"
+)
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """How an FP8 checkpoint's scales are laid out."""
+
+    method: str  # quant_method as config.json writes it
+    # (rows, columns) of the weight one scale covers; None: per tensor or per output channel,
+    # which the scale's shape tells apart.
+    block: tuple[int, int] | None
+
+
+def read_fp8_checkpoint(config: dict[str, Any] | None) -> Fp8Checkpoint | None:
+    """The layout of config.json's `quantization_config`, None when there is none; a
+    ValueError names what is not supported."""
+    if not config:
+        return None
+    method = config.get("quant_method")
+    if method == "fp8":
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(
+                f"FP8 format {config.get('fmt')!r} is not supported; only e4m3 weights are"
+            )
+        return Fp8Checkpoint(method, _block(config.get("weight_block_size")))
+    if method == "fbgemm_fp8":
+        return Fp8Checkpoint(method, None)
+    if method == "compressed-tensors":
+        return Fp8Checkpoint(method, _compressed_tensors_block(config))
+    raise ValueError(
+        f"quantization method {method!r} (config.json quantization_config) is not supported; "
+        f"supported: {_SUPPORTED_QUANTIZATION}"
+    )
+
+
+def _block(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or not all(isinstance(v, int) and v > 0 for v in value)
+    ):
+        raise ValueError(f"weight block size {value!r} is not two positive integers")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    blocks = set()
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits") != 8 or weights.get("type") != "float":
+            raise ValueError(
+                f"compressed-tensors group {name!r} quantizes weights to "
+                f"{weights.get('num_bits')}-bit {weights.get('type')}; supported: {_SUPPORTED_QUANTIZATION}"
+            )
+        activations = group.get("input_activations")
+        if activations and (activations.get("num_bits") != 8 or activations.get("type") != "float"):
+            raise ValueError(
+                f"compressed-tensors group {name!r} quantizes activations to "
+                f"{activations.get('num_bits')}-bit {activations.get('type')}; supported: "
+                f"{_SUPPORTED_QUANTIZATION}"
+            )
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(
+                f"compressed-tensors weight strategy {strategy!r} is not supported; supported: "
+                "tensor, channel, block"
+            )
+        blocks.add(_block(weights.get("block_structure")) if strategy == "block" else None)
+    if len(blocks) > 1:
+        raise ValueError(f"compressed-tensors groups mix weight layouts {sorted(map(str, blocks))}")
+    return blocks.pop()

@@ -92,10 +92,13 @@ def with_auto_dtype(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
     else:
         kv_bytes = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
     copies = args.data_parallel_size_local  # each engine core of the pod loads the weights
+    stored = checkpoint_bytes(args.model)
+    if model_config.fp8 is not None and args.quantization != "fp8":
+        stored *= 2  # an FP8 checkpoint is multiplied out to 16 bits or more as it loads
     dtype, why = auto_dtype(
         model_config.torch_dtype,
         "cpu" if runs_on_cpu(args.device) else "cuda",
-        copies * checkpoint_bytes(args.model),
+        copies * stored,
         copies * kv_bytes,
     )
     if why is not None:

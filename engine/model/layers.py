@@ -13,6 +13,8 @@ adds its part of the sum, then an all-reduce), embedding and LM head split the v
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,10 +30,17 @@ from tidegate.engine.distributed.parallel_state import (
     shard_range,
 )
 from tidegate.engine.model.packed_linear import packed_linear
+from tidegate.engine.model.quantization import (
+    FP8_DTYPE,
+    Fp8Checkpoint,
+    expand_scale,
+    fp8_linear,
+    quantize_rows,
+)
 
 
-def _parameter(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _parameter(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 def _narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
@@ -112,16 +121,58 @@ class GeluTanhAndMul(nn.Module):
 GATES = {"silu": SiluAndMul, "gelu_tanh": GeluTanhAndMul}
 
 
-def _project(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias with the module's weight, packed (packed_linear.py) or plain, plus the
-    LoRA delta of each row's adapter when the engine serves adapters (engine/lora/)."""
-    if module.packed is not None:
+def _project(
+    module: Linear | LMHead, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T + bias with the module's weight, FP8 (quantization.py), packed
+    (packed_linear.py) or plain, plus the LoRA delta of each row's adapter when the engine
+    serves adapters (engine/lora/)."""
+    if module.weight_scale is not None:
+        out = fp8_linear(x, module.weight, module.weight_scale, module.scale_group, module.triton)
+        if bias is not None:
+            out = out + bias
+    elif module.packed is not None:
         out = packed_linear(x, module.packed, bias)
     else:
         out = F.linear(x, module.weight, bias)
     if module.lora is not None:
         module.lora(x, out)  # adds each row's adapter delta to out in place
     return out
+
+
+# The FP8 layout of the linears built inside `fp8_linears(...)`: None builds them with weights
+# in the default dtype.
+_fp8_layout: Fp8Layout | None = None
+
+
+class Fp8Layout:
+    """How the linears built under `fp8_linears` hold FP8 weights: the checkpoint's scale
+    layout (None: per row, as quantizing at load gives), and whether products run in Triton."""
+
+    def __init__(self, checkpoint: Fp8Checkpoint | None, triton: bool) -> None:
+        self.checkpoint = checkpoint
+        self.triton = triton
+
+    @property
+    def group(self) -> int | None:
+        """Columns per scale: the block's width, or None for one scale per row."""
+        return self.checkpoint.block[1] if self.checkpoint and self.checkpoint.block else None
+
+
+def current_fp8_layout() -> Fp8Layout | None:
+    """The layout `fp8_linears` set for the modules being built, None outside it."""
+    return _fp8_layout
+
+
+@contextmanager
+def fp8_linears(layout: Fp8Layout | None) -> Iterator[None]:
+    """Build the linears created inside with FP8 weights laid out as `layout` (None: not)."""
+    global _fp8_layout
+    previous, _fp8_layout = _fp8_layout, layout
+    try:
+        yield
+    finally:
+        _fp8_layout = previous
 
 
 class Linear(nn.Module):
@@ -134,16 +185,96 @@ class Linear(nn.Module):
         # The adapter slots (engine/lora/manager.py), when the engine serves LoRA adapters:
         # set from above, so that models need not import the LoRA layer.
         self.lora: nn.Module | None = None
+        self.dtype = torch.get_default_dtype()  # of inputs and outputs, whatever the weight's
         self.weight = _parameter(output_size, input_size)
         self.weight.weight_loader = self.weight_loader
+        # FP8 weights (quantization.py): the weight in FP8 and its scale per row and K-group.
+        self.weight_scale: nn.Parameter | None = None
+        self.scale_group = input_size
+        self.triton = False
+        if _fp8_layout is not None:
+            self._hold_fp8(_fp8_layout)
         self.bias = None
         if bias:
             self.bias = _parameter(output_size)
             self.bias.weight_loader = self.weight_loader
 
+    def _hold_fp8(self, layout: Fp8Layout) -> None:
+        output_size, input_size = self.weight.shape
+        group = layout.group or input_size
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        self.weight.scale_loader = self.scale_loader
+        self.weight_scale = nn.Parameter(
+            torch.empty(output_size, -(-input_size // group), dtype=torch.float32),
+            requires_grad=False,
+        )
+        self.scale_group = group
+        self.triton = layout.triton
+
+    def hold_full_precision(self) -> None:
+        """Hold the weight in the module's dtype after all: the checkpoint left it unquantized."""
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=self.dtype, device=self.weight.device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale = None
+        self.scale_group = self.weight.shape[1]
+
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
         """Copy a checkpoint tensor into `param` (weight or bias)."""
+        if param is self.weight and self.weight_scale is not None:
+            if shard_id is not None:
+                raise ValueError(f"linear of shape {tuple(param.shape)} has no shard {shard_id!r}")
+            self._store_rows(0, _whole(loaded))
+            return
         _copy_loader(param, loaded, shard_id)
+
+    def _store_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Put rows of the weight in place from [start]: FP8 as they are (their scale comes
+        from the checkpoint, through scale_loader), others quantized here, with their scale."""
+        weight = self.weight.narrow(0, start, rows.shape[0])
+        if rows.dtype != FP8_DTYPE:
+            rows, scale = quantize_rows(rows)
+            if self.weight_scale.shape[1] != 1:
+                raise ValueError("a 16/32-bit weight cannot fill a linear laid out for blocks")
+            self.weight_scale.narrow(0, start, rows.shape[0]).copy_(scale)
+        _copy_loader(weight, rows)
+
+    def scale_loader(
+        self, scale: torch.Tensor, checkpoint: Fp8Checkpoint, shard_id: str | None = None
+    ) -> None:
+        """Copy this rank's part of an FP8 checkpoint weight's scale (whichever layout) into
+        weight_scale, as [rows, K-groups]."""
+        start, length, dest = self._rows_of(shard_id)
+        target = self.weight_scale.narrow(0, dest, length)
+        expanded = expand_scale(scale, checkpoint)
+        if expanded.numel() == 1:
+            target.fill_(expanded.item())
+            return
+        rows = expanded.narrow(0, start, length)
+        cols = self._scale_columns(rows)
+        if cols.shape != target.shape:
+            raise ValueError(
+                f"weight scale of shape {tuple(scale.shape)} does not fit a linear of "
+                f"{tuple(self.weight.shape)} with scales {tuple(self.weight_scale.shape)}"
+            )
+        target.copy_(cols)
+
+    def _rows_of(self, shard_id: str | None) -> tuple[int, int, int]:
+        """(first row of the checkpoint tensor this rank keeps, rows, their row here)."""
+        if shard_id is not None:
+            raise ValueError(
+                f"linear of shape {tuple(self.weight.shape)} has no shard {shard_id!r}"
+            )
+        return 0, self.weight.shape[0], 0
+
+    def _scale_columns(self, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's K-groups of a [rows, G] scale: all of them."""
+        return scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project the last dimension of x."""
@@ -159,13 +290,26 @@ class RowParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.input_start, local_input = shard_range(input_size)
+        group = _fp8_layout.group if _fp8_layout is not None else None
+        if group and self.input_start % group:
+            raise ValueError(
+                f"tensor parallelism splits the {input_size:,} input features of a linear at "
+                f"{self.input_start:,}, inside one of its {group}-column FP8 scale blocks; "
+                "choose a tensor_parallel_size that splits on a block boundary"
+            )
         super().__init__(local_input, output_size, bias)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
         """Copy this rank's columns of the weight; the bias whole."""
         if param is self.weight:
             loaded = _narrow(loaded, 1, self.input_start, param.shape[1])
-        _copy_loader(param, loaded, shard_id)
+        super().weight_loader(param, loaded, shard_id)
+
+    def _scale_columns(self, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's K-groups (its columns' scale blocks); a per-row scale is every rank's."""
+        if scale.shape[1] == 1:
+            return scale
+        return scale.narrow(1, self.input_start // self.scale_group, self.weight_scale.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project this rank's slice of x and sum over the ranks."""
@@ -204,13 +348,21 @@ class MergedLinear(Linear):
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
         """Copy this rank's rows of one shard (e.g. "gate" or "k") into their place."""
+        start, length, offset = self._rows_of(shard_id)
+        rows = _whole(_narrow(loaded, 0, start, length))
+        if param is self.weight and self.weight_scale is not None:
+            self._store_rows(offset, rows)
+        else:
+            _copy_loader(param.narrow(0, offset, length), rows)
+
+    def _rows_of(self, shard_id: str | None) -> tuple[int, int, int]:
+        """A shard's rows: the ones this rank keeps of its checkpoint tensor, and their place."""
         if shard_id not in self.shard_offsets:
             raise ValueError(
                 f"unknown shard {shard_id!r}; expected one of {list(self.output_sizes)}"
             )
         start, length = self.source_rows[shard_id]
-        rows = param.narrow(0, self.shard_offsets[shard_id], length)
-        _copy_loader(rows, _narrow(loaded, 0, start, length))
+        return start, length, self.shard_offsets[shard_id]
 
 
 class QKVLinear(MergedLinear):
@@ -285,6 +437,7 @@ class LMHead(VocabEmbedding):
         super().__init__(vocab_size, hidden_size)
         self.packed: torch.Tensor | None = None  # as Linear's
         self.lora: nn.Module | None = None  # never adapted; _project reads it
+        self.weight_scale = None  # never FP8: quantizers leave the LM head alone
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Use the embedding table as the output projection (tie_word_embeddings)."""

@@ -75,7 +75,12 @@ class ModelRunner:
             logits_soft_cap=model_config.attn_logit_softcapping is not None,
         )
         self.model, _ = load_model(
-            args.model, self.dtype, device, self.attn_backend, config=model_config
+            args.model,
+            self.dtype,
+            device,
+            self.attn_backend,
+            config=model_config,
+            quantization=args.quantization,
         )
         # bf16 linears on CPU: oneDNN's layout once, not a reorder per call (bitwise equal),
         # and the row counts that run faster in pieces measured up to a step's tokens.

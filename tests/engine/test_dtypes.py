@@ -105,3 +105,26 @@ def test_the_engine_runs_what_auto_picked_and_an_explicit_dtype_as_given(
     monkeypatch.setattr(dtypes, "cpu_x86_flags", lambda: SAPPHIRE_RAPIDS)
     with LLM(str(bf16_config_dir), device="cpu", max_model_len=256) as llm:
         assert str(llm.engine.executor.worker.runner.dtype) == "torch.bfloat16"
+
+
+def test_an_fp8_checkpoint_is_judged_by_the_size_it_loads_at(tiny_fp8_model, monkeypatch, tmp_path):
+    """Multiplied out at load (auto on CPU), an FP8 checkpoint takes twice its files' bytes
+    as 16-bit weights; held in FP8 (--quantization fp8), its files' bytes."""
+    folder = tmp_path / "fp8-bf16"
+    shutil.copytree(tiny_fp8_model("llama", "fp8-block"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["torch_dtype"] = "bfloat16"  # what FP8 checkpoints' activations are
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_pretrained(folder)
+    seen = []
+    monkeypatch.setattr(
+        dtypes,
+        "auto_dtype",
+        lambda _dtype, _device, weights, _kv: seen.append(weights) or ("float32", None),
+    )
+    stored = dtypes.checkpoint_bytes(folder)
+    for quantization in ("auto", "none", "fp8"):
+        with_auto_dtype(
+            EngineArgs(model=str(folder), device="cpu", quantization=quantization), config
+        )
+    assert seen == [2 * stored, 2 * stored, stored]

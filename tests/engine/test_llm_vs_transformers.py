@@ -42,7 +42,11 @@ def transformers_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    return greedy_of(model.eval(), prompts, MAX_TOKENS)
+
+
+def greedy_of(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy continuations: exactly max_tokens each, EOS never picked."""
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -50,8 +54,8 @@ def transformers_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
             generated = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )

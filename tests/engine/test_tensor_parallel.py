@@ -88,6 +88,32 @@ def test_two_ranks_generate_the_tokens_of_one(model, request):
         assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-3)
 
 
+# FP8 checkpoints: each rank's rows of the merged q/k/v and gate/up, and its columns of o_proj
+# and down_proj, with their scales (32 x 32 blocks: row-parallel splits on a block boundary, so
+# the activations' K-groups are the ones a single rank has). Per-row activation scales differ
+# between one rank's whole row and two ranks' halves, so fp8 products of the per-channel layout
+# are compared dequantized only.
+@pytest.mark.parametrize(
+    ("arch", "quantize", "quantization"),
+    [
+        ("llama", "fp8-block", "fp8"),
+        ("llama", "fp8-block", "auto"),
+        ("llama", "fp8-channel", "auto"),
+        ("qwen3_moe", "fp8-block", "auto"),
+        ("qwen3_moe", "fp8-block", "fp8"),
+    ],
+)
+def test_two_ranks_hold_fp8_checkpoints_as_one(tiny_fp8_model, arch, quantize, quantization):
+    folder = tiny_fp8_model(arch, quantize)
+    outputs = []
+    for size in (1, 2):
+        with LLM(
+            str(folder), tensor_parallel_size=size, quantization=quantization, **ENGINE
+        ) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)])
+    assert outputs[1] == outputs[0]
+
+
 def test_two_ranks_with_speculation_give_the_tokens_of_one_without(tiny_llama_dir):
     """Rank 0 samples every guessed position and broadcasts; both ranks keep the same tokens
     and take back the same guesses."""

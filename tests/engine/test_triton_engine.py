@@ -35,3 +35,25 @@ def test_greedy_output_is_token_identical_to_the_torch_backend(arch, request):
     got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
     assert got == expected
     assert triton_llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_fp8_products_in_triton_give_the_tokens_of_torchs(tiny_fp8_model):
+    """The FP8 linears' Triton kernel (fp8_triton.py) runs with the triton backend: the same
+    tokens as torch's scaled products, for 32 x 32 blocks and for per-channel scales, and in a
+    mixture's experts."""
+    prompts = ["The tide gate opens at dawn", [5, 17, 99, 3, 250, 61, 7]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    for arch, quantize in [
+        ("llama", "fp8-block"),
+        ("llama", "fp8-channel"),
+        ("qwen3_moe", "fp8-block"),
+    ]:
+        folder = str(tiny_fp8_model(arch, quantize))
+        common = dict(dtype="float32", quantization="fp8", max_model_len=256)
+        reference = LLM(model=folder, attention_backend="torch", **common)
+        expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+        triton_llm = LLM(model=folder, attention_backend="triton", **common)
+        qkv = triton_llm.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.triton and qkv.weight_scale is not None
+        got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
+        assert got == expected
