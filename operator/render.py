@@ -319,6 +319,10 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
     }
     if spec.model.max_model_len is not None:
         values["max_model_len"] = spec.model.max_model_len
+    if spec.model.quantization != "auto":
+        # auto is the engine's default: a spec without the field renders (and hashes) as it
+        # did before the field existed, so an upgrade of the operator rolls no pod.
+        values["quantization"] = spec.model.quantization
     if spec.model.tool_call_parser is not None:
         # Every role alike: the router sends a prefill pod the client's request, tools and
         # tool_choice included, and a server without a parser refuses tool_choice auto.
@@ -1026,6 +1030,9 @@ class _Context:
         return out
 
     def weight_bytes(self) -> float:
+        """The checkpoint's size, as the pods fetch and read it."""
+        # By dtype even under quantization fp8: a 16-bit checkpoint is quantized only once
+        # loaded, so the volume holds and the load reads its full size.
         count = self.spec.model.parameter_count or 0.0
         return count * DTYPE_BYTES[self.spec.model.dtype]
 

@@ -210,6 +210,8 @@ class ModelSpec(SpecModel):
     num_key_value_heads: int | None = Field(None, ge=1, le=65536)
     max_model_len: int | None = Field(None, ge=16, le=1 << 24)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # The engine's `quantization` choices (EngineArgs); a test keeps the two the same.
+    quantization: Literal["auto", "fp8", "none"] = "auto"
     # The engine's `tool_call_parser` choices (ServerArgs); a test keeps the two the same.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="The model family's format of tool calls"

@@ -5,7 +5,10 @@ Every value is a Choice with a reason, which users read in `kubectl get llmd -o 
 
 The cost model (estimates; each reason shows the arithmetic with the numbers it used):
 - Weights take parameterCount x dtype bytes (dtype auto: 2 B, as nearly every checkpoint is
-  16-bit). Tensor parallelism (TP) splits them evenly over TP accelerators.
+  16-bit), or 1 B under model.quantization fp8, whatever the dtype. Under quantization auto an
+  FP8 checkpoint is still counted by dtype: the operator does not read the checkpoint, and the
+  over-estimate errs towards a wider TP, never towards weights that do not load. Tensor
+  parallelism (TP) splits the weights evenly over TP accelerators.
 - A prompt token costs 2 x parameterCount FLOPs (a multiply and an add per weight).
   Attention's share, which grows with the context, is left out: it is small for chunks of a
   few thousand tokens, and the MFU below is low enough to absorb it.
@@ -17,7 +20,10 @@ The cost model (estimates; each reason shows the arithmetic with the numbers it 
   (accelerator.perNode) takes whole nodes, a pod on each, with stages across them.
 - One engine core computes TP x peak x ASSUMED_MFU FLOP/s. peak is accelerator.peakTflops
   (dense 16-bit), else the product DEFAULT_PRODUCTS assumes for the resource name. float32
-  matmuls run slower than that: set peakTflops to the fp32 rate when serving float32.
+  matmuls run slower than that: set peakTflops to the fp32 rate when serving float32. FP8
+  matmuls are counted at the 16-bit rate too: where the device has them they run faster, and
+  the slower estimate only makes chunks smaller than the SLO would allow; elsewhere the
+  engine emulates them, many times slower, and quantization fp8 is not for serving there.
 - A decode step reads every weight once: weight bytes / TP / the product's memory bandwidth.
   Reads of the running requests' KV cache are left out, so this is a lower bound.
 - Unified pods: a step that carries a prompt chunk must still meet the ITL SLO, so the chunk
@@ -59,6 +65,10 @@ GIB = 1 << 30
 # fifth left a pod serves only a handful of requests, so a wider TP is the better deal.
 WEIGHT_MEMORY_FRACTION = 0.8
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+# model.quantization fp8 holds each weight in one byte, whatever the dtype (the activations'
+# type then). Layers the engine keeps in dtype (such as the embeddings) are left out: a few
+# percent of a large model's weights, within the room WEIGHT_MEMORY_FRACTION leaves.
+FP8_BYTES = 1
 # Model FLOPs utilisation of prefill: large GEMMs reach 40-60% on current GPUs; the low end
 # keeps the chunks on the safe side of the SLO.
 ASSUMED_MFU = 0.4
@@ -681,38 +691,49 @@ def _does_not_fit(spec: LLMDeploymentSpec, shape: _Shape) -> TuningError:
     size = shape.size
     whole = -(-need // size) * size  # whole nodes
     text = f"{_weights_text(spec.model)} do not fit: {_gb(weights / most)} per accelerator"
+    memory = "more accelerator memory (accelerator.memoryGiB)"
+    smaller = _smaller_weights(spec.model)
     if not shape.per_node:
-        allowed = (
-            "more accelerator memory (accelerator.memoryGiB), more accelerators per pod "
-            "(accelerator.count), or a smaller dtype"
-        )
+        options = [memory, "more accelerators per pod (accelerator.count)", *smaller]
         if whole <= MAX_PARALLEL_SIZE:
-            allowed = (
-                f"{allowed.replace(', or', ',')}, or a replica over {whole // size} nodes: "
-                f"accelerator.perNode {size} with count {whole} (or no count, to size it from "
-                "the weights)"
+            options.append(
+                f"a replica over {whole // size} nodes: accelerator.perNode {size} with count "
+                f"{whole} (or no count, to size it from the weights)"
             )
         return TuningError(
             f"{text} even at TP {most} (accelerator.count {shape.count}) exceeds {room}; "
-            f"allowed: {allowed}"
+            f"allowed: {_either(options)}"
         )
     nodes = f"{-(-most // size)} node(s) of accelerator.perNode {size}"
     if shape.count is None:
         return TuningError(
             f"{text} even at {most} accelerators ({nodes}, the most one replica may have) "
-            f"exceeds {room}; allowed: more accelerator memory (accelerator.memoryGiB) or a "
-            "smaller dtype"
+            f"exceeds {room}; allowed: {_either([memory, *smaller])}"
         )
     hint = (
         f"accelerator.count {whole} ({whole // size} nodes), or no count to size the replica "
         "from the weights"
         if whole <= MAX_PARALLEL_SIZE
-        else "more accelerator memory (accelerator.memoryGiB) or a smaller dtype"
+        else _either([memory, *smaller])
     )
     return TuningError(
         f"{text} even at accelerator.count {shape.count} ({nodes}) exceeds {room}; they need "
         f"{need} accelerators; allowed: {hint}"
     )
+
+
+def _smaller_weights(model: ModelSpec) -> list[str]:
+    """A refusal's ways to shrink the weights themselves: none is left under fp8."""
+    if model.quantization == "fp8":
+        return []
+    return ["a smaller dtype", "model.quantization fp8 (1 B per parameter)"]
+
+
+def _either(options: list[str]) -> str:
+    """'a', 'a or b', 'a, b, or c'."""
+    if len(options) < 3:
+        return " or ".join(options)
+    return f"{', '.join(options[:-1])}, or {options[-1]}"
 
 
 def _check_node_split(nodes: int, tp: int, pp: int, per_pod: int, limit: str) -> None:
@@ -826,16 +847,24 @@ def _heads_note(tp: int, heads: list[tuple[str, int]]) -> str:
     return f" and divides {' and '.join(f'{c} {names[f]}' for f, c in heads)}"
 
 
+def _bytes_per_parameter(model: ModelSpec) -> tuple[int, str]:
+    """What one weight takes on an accelerator, and the note a reason shows beside it."""
+    if model.quantization == "fp8":
+        return FP8_BYTES, " (fp8)"
+    assumed = " (dtype auto: 16-bit assumed)" if model.dtype == "auto" else ""
+    return DTYPE_BYTES[model.dtype], assumed
+
+
 def _weight_bytes(model: ModelSpec) -> float | None:
     if model.parameter_count is None:
         return None
-    return model.parameter_count * DTYPE_BYTES[model.dtype]
+    return model.parameter_count * _bytes_per_parameter(model)[0]
 
 
 def _weights_text(model: ModelSpec) -> str:
-    assumed = " (dtype auto: 16-bit assumed)" if model.dtype == "auto" else ""
+    size, note = _bytes_per_parameter(model)
     return (
-        f"{model.parameter_count / 1e9:.3g}e9 params x {DTYPE_BYTES[model.dtype]} B{assumed} = "
+        f"{model.parameter_count / 1e9:.3g}e9 params x {size} B{note} = "
         f"{_gb(_weight_bytes(model) or 0)}"
     )
 

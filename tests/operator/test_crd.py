@@ -534,6 +534,13 @@ INVALID = [
         "spec.model.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'",
     ),
     _row(
+        "bad-quantization",
+        {"model": {"quantization": "int4"}},
+        'spec.model.quantization: Unsupported value: "int4": supported values: "auto", "fp8", '
+        '"none"',
+        "spec.model.quantization: Input should be 'auto', 'fp8' or 'none'",
+    ),
+    _row(
         "tool-call-parser-not-the-engines",
         {"model": {"toolCallParser": "qwen"}},
         'spec.model.toolCallParser: Unsupported value: "qwen": supported values: "hermes", '
@@ -983,6 +990,7 @@ _models = st.fixed_dictionaries(
         "numKeyValueHeads": st.integers(1, 128),
         "maxModelLen": st.integers(16, 1_000_000),
         "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
+        "quantization": st.sampled_from(["auto", "fp8", "none"]),
         "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
     },
 )

@@ -1935,6 +1935,14 @@ def test_the_crd_offers_exactly_the_engines_tool_call_parsers() -> None:
     assert sorted(TOOL_CALL_PARSERS) == sorted(engine)
 
 
+def role_args(texts: dict[str, str], role: str, args_class, tmp_path: Path):
+    """A role's rendered config file, read as the engine reads it, into `args_class`."""
+    path = tmp_path / f"{role}.yaml"
+    path.write_text(texts[f"{role}.yaml"], encoding="utf-8")
+    values = load_config_file(str(path), [EngineArgs, ServerArgs])
+    return args_class(**{k: v for k, v in values.items() if k in args_class.model_fields})
+
+
 @pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
 def test_the_tool_call_parser_reaches_every_engine_role_and_the_engine_takes_it(
     layout: str, tmp_path: Path
@@ -1945,10 +1953,7 @@ def test_the_tool_call_parser_reaches_every_engine_role_and_the_engine_takes_it(
         assert set(rendered.tuning.roles) == engine_roles
         texts = config_map(rendered)["data"]
         for role in engine_roles:
-            path = tmp_path / f"{role}.yaml"
-            path.write_text(texts[f"{role}.yaml"], encoding="utf-8")
-            values = load_config_file(str(path), [EngineArgs, ServerArgs])
-            server = ServerArgs(**{k: v for k, v in values.items() if k in ServerArgs.model_fields})
+            server = role_args(texts, role, ServerArgs, tmp_path)
             assert server.tool_call_parser == parser
         # The router reads no output for calls; its config has no such flag.
         if "router.yaml" in texts:
@@ -1969,6 +1974,70 @@ def test_setting_or_changing_the_tool_call_parser_rolls_the_engine_pods_not_the_
     for engine in ("llm-prefill", "llm-decode"):
         assert len({none[engine], hermes[engine], mistral[engine]}) == 3
     assert none["llm-router"] == hermes["llm-router"] == mistral["llm-router"]
+
+
+# --- weight quantization (spec.model.quantization) ---------------------------------------------
+
+QUANTIZATIONS = CRD_MODEL["properties"]["quantization"]["enum"]
+
+
+def test_the_crd_offers_exactly_the_engines_quantizations() -> None:
+    engine = get_args(EngineArgs.model_fields["quantization"].annotation)
+    assert sorted(QUANTIZATIONS) == sorted(engine)
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_a_quantization_reaches_every_engine_role_and_the_engine_takes_it(
+    layout: str, tmp_path: Path
+) -> None:
+    spec, engine_roles = ENGINE_LAYOUTS[layout]
+    for quantization in ("fp8", "none"):
+        rendered = render_spec(spec | {"model": {**spec["model"], "quantization": quantization}})
+        texts = config_map(rendered)["data"]
+        for role in engine_roles:
+            assert role_args(texts, role, EngineArgs, tmp_path).quantization == quantization
+        # The router holds no weights.
+        if "router.yaml" in texts:
+            assert "quantization" not in yaml.safe_load(texts["router.yaml"])
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_quantization_auto_or_absent_renders_no_flag(layout: str) -> None:
+    spec, _ = ENGINE_LAYOUTS[layout]
+    auto = spec | {"model": {**spec["model"], "quantization": "auto"}}
+    for text in config_map(render_spec(spec))["data"].values():
+        assert "quantization" not in yaml.safe_load(text)
+    # auto is the engine's default: resources that predate the field keep their pods.
+    assert config_map(render_spec(auto)) == config_map(render_spec(spec))
+
+
+def test_changing_the_quantization_rolls_the_engine_pods_not_the_router() -> None:
+    auto = hashes(SPLIT)
+    fp8 = hashes(SPLIT | {"model": model(quantization="fp8")})
+    none = hashes(SPLIT | {"model": model(quantization="none")})
+    for engine in ("llm-prefill", "llm-decode"):
+        assert len({auto[engine], fp8[engine], none[engine]}) == 3
+    assert auto["llm-router"] == fp8["llm-router"] == none["llm-router"]
+
+
+def test_fp8_weights_take_fewer_gpus_in_the_rendered_config() -> None:
+    # 70.6e9 parameters on 80 GiB GPUs: 141 GB in bfloat16 need TP 4, 70.6 GB in fp8 TP 2.
+    bf16 = render_spec({"model": LLAMA_70B_MODEL, "accelerator": gpus(8)})
+    fp8 = render_spec({"model": {**LLAMA_70B_MODEL, "quantization": "fp8"}, "accelerator": gpus(8)})
+    assert role_config(bf16, "unified")["tensor-parallel-size"] == 4
+    assert role_config(fp8, "unified")["tensor-parallel-size"] == 2
+    assert role_config(fp8, "unified")["quantization"] == "fp8"
+
+
+def test_fp8_leaves_the_fetch_volume_and_load_deadline_sized_by_the_checkpoint() -> None:
+    # A 16-bit checkpoint is quantized only once loaded: the archive and the read are full size.
+    spec = TABLE["uri-init-container"]
+    fp8 = spec | {"model": {**spec["model"], "quantization": "fp8"}}
+    before, after = deployments(render_spec(spec)), deployments(render_spec(fp8))
+    assert [volume(d, "model") for d in after] == [volume(d, "model") for d in before]
+    assert [d["spec"]["progressDeadlineSeconds"] for d in after] == [
+        d["spec"]["progressDeadlineSeconds"] for d in before
+    ]
 
 
 # --- speculative decoding (spec.speculativeDecoding) ------------------------------------------

@@ -19,6 +19,7 @@ def make_spec(
     params: float | None = None,
     *,
     dtype: str = "auto",
+    quantization: str | None = None,
     gpus: int | None = None,
     memory: float = 80,
     kv: int | None = None,
@@ -31,6 +32,7 @@ def make_spec(
     """A camelCase spec: the model and accelerator from the arguments, other parts as given."""
     model: dict[str, Any] = {"name": "m", "source": {"uri": "https://models/m.tar"}, "dtype": dtype}
     for key, value in [
+        ("quantization", quantization),
         ("parameterCount", params),
         ("numKeyValueHeads", kv),
         ("numAttentionHeads", heads),
@@ -73,6 +75,8 @@ def flags(tp: int, dp: int, threshold: int | str, budget: int) -> dict[str, int 
 # 70.6e9 bf16 at TP 4: 141 GB, 35.3 GB each; a token 89.2 us; a decode step 10.5 ms.
 #   ITL 50 ms -> 39.5 ms -> 442 tokens -> 432; + 256 = 688.
 # 70.6e9 fp32 at TP 8: 282 GB, 35.3 GB each; a token 44.6 us; decode 10.5 ms -> 884 -> 880.
+# 70.6e9 fp8 at TP 2: 70.6 GB, 35.3 GB each; a token 178 us (FP8 matmuls counted at the
+#   16-bit rate); a decode step 10.5 ms. ITL 50 ms -> 39.5 ms -> 221 tokens -> 208; + 256 = 464.
 TUNED = [
     pytest.param(
         make_spec(8.03 * B, gpus=1, kv=8, heads=32),
@@ -104,6 +108,24 @@ TUNED = [
         {"unified": flags(8, 1, 880, 1136)},
         ["x 4 B = 282 GB", "at TP 1 or 2 or 4", "TP 8 fits (35.3 GB"],
         id="70B-fp32-8x80G-tp8",
+    ),
+    pytest.param(
+        make_spec(70.6 * B, quantization="fp8", gpus=8, kv=8),
+        {"unified": flags(2, 4, 208, 464)},
+        [
+            "70.6e9 params x 1 B (fp8) = 70.6 GB does not fit 0.8 x 80 GiB (68.7 GB) at TP 1; "
+            "TP 2 fits (35.3 GB per accelerator)",
+            "8 accelerators // TP 2 = 4 engine core(s)",
+            "decode step 10.5 ms (70.6 GB / TP 2",
+            "178 us",
+        ],
+        id="70B-fp8-8x80G-tp2-dp4",
+    ),
+    pytest.param(
+        make_spec(405 * B, quantization="fp8", gpus=8, kv=8),
+        {"unified": flags(8, 1, 128, 384)},
+        ["405e9 params x 1 B (fp8) = 405 GB", "TP 8 fits (50.6 GB per accelerator)"],
+        id="405B-fp8-fits-one-8x80G-pod",
     ),
     pytest.param(
         make_spec(70.6 * B, gpus=6, kv=8),
@@ -379,7 +401,12 @@ def test_tuning_table(spec: dict, expected: dict, phrases: list[str]) -> None:
 REFUSED = [
     pytest.param(
         make_spec(405 * B, gpus=8, kv=8),
-        ["810 GB do not fit", "101 GB per accelerator even at TP 8", "accelerator.memoryGiB"],
+        [
+            "810 GB do not fit",
+            "101 GB per accelerator even at TP 8",
+            "accelerator.memoryGiB",
+            "model.quantization fp8 (1 B per parameter)",
+        ],
         id="405B-8x80G",
     ),
     pytest.param(
@@ -401,7 +428,8 @@ REFUSED = [
         [
             "156 GB per accelerator even at 64 accelerators (8 node(s) of accelerator.perNode "
             "8, the most one replica may have)",
-            "allowed: more accelerator memory (accelerator.memoryGiB) or a smaller dtype",
+            "allowed: more accelerator memory (accelerator.memoryGiB), a smaller dtype, or "
+            "model.quantization fp8 (1 B per parameter)",
         ],
         id="5T-no-replica-holds-it",
     ),
@@ -551,6 +579,40 @@ def test_refusals_name_the_values_and_what_is_allowed(spec: dict, phrases: list[
         assert phrase in str(refused.value)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
+def test_fp8_weights_take_one_byte_each_so_fewer_gpus_hold_them(dtype: str) -> None:
+    # 49.9e9 parameters: 99.8 GB in 16 bits need two 80 GiB GPUs, 49.9 GB in fp8 one.
+    bf16 = tune(parse_spec(make_spec(49.9 * B, dtype="bfloat16", gpus=8, kv=8)))
+    fp8 = tune(parse_spec(make_spec(49.9 * B, dtype=dtype, quantization="fp8", gpus=8, kv=8)))
+    bf16_tp = bf16.roles["unified"].tensor_parallel_size
+    fp8_tp = fp8.roles["unified"].tensor_parallel_size
+    assert (bf16_tp.value, fp8_tp.value) == (2, 1)
+    assert bf16_tp.reason.startswith(
+        "49.9e9 params x 2 B = 99.8 GB does not fit 0.8 x 80 GiB (68.7 GB) at TP 1; TP 2 fits"
+    )
+    # The dtype is then the activations' type: it does not change the weights' size.
+    assert fp8_tp.reason.startswith(
+        "49.9e9 params x 1 B (fp8) = 49.9 GB fits 0.8 x 80 GiB (68.7 GB) at TP 1"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
+def test_quantization_none_sizes_the_weights_by_dtype_as_auto_does(dtype: str) -> None:
+    auto = tune(parse_spec(make_spec(70.6 * B, dtype=dtype, gpus=8, kv=8)))
+    none = tune(parse_spec(make_spec(70.6 * B, dtype=dtype, quantization="none", gpus=8, kv=8)))
+    assert none.to_status() == auto.to_status()
+    assert none.reasons() == auto.reasons()
+
+
+def test_an_fp8_refusal_offers_no_smaller_weights() -> None:
+    spec = make_spec(5000 * B, quantization="fp8", accelerator={"perNode": 8, "memoryGiB": 80})
+    with pytest.raises(TuningError) as refused:
+        tune(parse_spec(spec))
+    assert str(refused.value).startswith("5e+03e9 params x 1 B (fp8) = 5e+03 GB do not fit")
+    # Already a byte per weight: neither a dtype nor fp8 makes them smaller.
+    assert str(refused.value).endswith("; allowed: more accelerator memory (accelerator.memoryGiB)")
+
+
 def test_a_refusal_is_a_spec_error() -> None:
     assert issubclass(TuningError, SpecError)
 
@@ -646,6 +708,7 @@ models = st.builds(
     dict,
     params=st.floats(1e8, 1e12),
     dtype=st.sampled_from(["auto", "bfloat16", "float32"]),
+    quantization=st.sampled_from(["auto", "fp8", "none"]),
     gpus=st.integers(1, 64),
     kv=st.sampled_from([None, 1, 2, 4, 8, 16, 12]),
     mode=st.sampled_from(["unified", "disaggregated"]),
@@ -657,6 +720,7 @@ def _spec(model: dict, memory: float, itl: int) -> dict:
     return make_spec(
         model["params"],
         dtype=model["dtype"],
+        quantization=model["quantization"],
         gpus=model["gpus"],
         memory=memory,
         kv=model["kv"],
