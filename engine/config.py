@@ -115,6 +115,13 @@ class EngineArgs(BaseModel):
         "checkpoint quantized at load (per output channel; activations per token): half the "
         "memory of bf16 weights, emulated and slow on CPU. none: an FP8 checkpoint dequantized.",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="What the KV cache stores. auto: the model's dtype. fp8: float8_e4m3fn "
+        "(keys and values rounded to 3 mantissa bits, magnitudes above 448 clipped; no scales): "
+        "half the bytes of a 16-bit cache, so twice the tokens in the same memory. The torch "
+        "and triton attention backends read it; on CPU auto then picks torch.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt plus output; defaults to the model's limit."

@@ -39,13 +39,21 @@ def get_attention_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
     logits_soft_cap: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend called `name` ("auto", "torch", "triton", "cpu") for a model on `device`.
 
     auto: triton on CUDA; on CPU the C++ kernel when it builds here and fits the model's
     head size, block size and dtype (those given) and the model does not cap its attention
     logits (`logits_soft_cap`, Gemma 2: the kernel has no cap), else the torch reference.
+    A `kv_cache_dtype` other than `dtype` (an FP8 cache) is read by torch and triton only.
     """
+    fp8_cache = kv_cache_dtype is not None and dtype is not None and kv_cache_dtype != dtype
+    if fp8_cache and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, Hopper) for "
+            "the kernels' FP8 loads; use --kv-cache-dtype auto"
+        )
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
@@ -54,12 +62,18 @@ def get_attention_backend(
         if device.type == "cuda":
             name = "triton" if _triton_importable() else "torch"
         else:
-            fits = not logits_soft_cap and _cpu_kernel_fits(head_dim, block_size, dtype)
+            fits = (
+                not logits_soft_cap
+                and not fp8_cache
+                and _cpu_kernel_fits(head_dim, block_size, dtype)
+            )
             name = "cpu" if fits else "torch"
-            if logits_soft_cap:
+            if logits_soft_cap or fp8_cache:
                 logger.warning(
-                    "the model caps attention logits, which the cpu kernel does not: using "
-                    "the slower torch attention backend"
+                    "%s: using the slower torch attention backend",
+                    "the model caps attention logits, which the cpu kernel does not"
+                    if logits_soft_cap
+                    else "the cpu kernel does not read an FP8 KV cache",
                 )
     if name == "torch":
         return TorchAttentionBackend()
@@ -68,6 +82,11 @@ def get_attention_backend(
             raise ValueError(
                 "attention backend 'cpu' does not cap attention logits (Gemma 2's "
                 "attn_logit_softcapping); use 'torch'"
+            )
+        if fp8_cache:
+            raise ValueError(
+                "attention backend 'cpu' does not read an FP8 KV cache; use 'torch', or "
+                "--kv-cache-dtype auto"
             )
         return _cpu_backend(device, head_dim, block_size, dtype)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

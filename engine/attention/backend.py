@@ -64,6 +64,40 @@ class KVLayout:
 
 STANDARD_KV_LAYOUT = KVLayout()
 
+# --kv-cache-dtype: what the caches store, beside "auto" (the model's dtype). FP8 keys and
+# values have no scales: a value keeps 3 mantissa bits, and magnitudes above 448 are clipped
+# (a cast would make them NaN), which keys and values of trained models stay far below.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV caches for --kv-cache-dtype `name`."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv cache dtype {name!r} is not one of auto, {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[name]
+
+
+def index_copy_into(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache.index_copy_(0, index, rows), for FP8 caches too: torch copies those as bytes
+    (it has no FP8 index_copy_ on CPU), which is what a copy of one dtype into itself is."""
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache.index_copy_(0, index, rows)
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as the cache stores them (FP8: clipped to its range, then rounded)."""
+    if x.dtype == cache_dtype:
+        return x
+    if cache_dtype.itemsize == 1 and cache_dtype.is_floating_point:
+        limit = torch.finfo(cache_dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(cache_dtype)
+
 
 class AttentionBackend(Protocol):
     """What every backend (torch, triton, cpu) provides; the model calls only these two.

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, AttentionMetadata
+from tidegate.engine.attention.backend import (
+    STANDARD_KV_LAYOUT,
+    AttentionMetadata,
+    index_copy_into,
+    to_cache_dtype,
+)
 
 
 class TorchAttentionBackend:
@@ -37,8 +42,9 @@ class TorchAttentionBackend:
         # One host sync on a GPU; this backend's priority there is being obviously right.
         if not bool(valid.all()):
             key, value, slots = key[valid], value[valid], slots[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+        for new, cache in ((key, k_cache), (value, v_cache)):
+            slots_view = cache.view(-1, *cache.shape[2:])
+            index_copy_into(slots_view, slots, to_cache_dtype(new, cache.dtype))
 
     def attend(
         self,
@@ -147,8 +153,10 @@ def _decode_batch(
         tables = block_tables[:, :num_blocks].long()
     # Block-table padding may hold anything (even -1); the keys it points to are masked out.
     tables = tables.clamp_min(0)
-    keys = _heads_first(_gather_blocks(k_cache, tables).flatten(1, 2))  # [D, Hkv, S, Dh]
-    values = _heads_first(_gather_blocks(v_cache, tables).flatten(1, 2))
+    keys = _heads_first(
+        _gather_blocks(k_cache, tables, query.dtype).flatten(1, 2)
+    )  # [D, Hkv, S, Dh]
+    values = _heads_first(_gather_blocks(v_cache, tables, query.dtype).flatten(1, 2))
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     # The query heads sharing a KV head act as that head's "query positions" (GQA), so no
@@ -188,9 +196,12 @@ def _attention(
     return scores.softmax(-1).to(values.dtype) @ values
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[block_ids] for any shape of ids; index_select is several times faster on CPU."""
-    picked = cache.index_select(0, block_ids.reshape(-1))
+def _gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """cache[block_ids] for any shape of ids, in `dtype` (an FP8 cache's blocks widened to the
+    queries' dtype); index_select is several times faster on CPU."""
+    picked = cache.index_select(0, block_ids.reshape(-1)).to(dtype)
     return picked.view(*block_ids.shape, *cache.shape[1:])
 
 
@@ -219,8 +230,8 @@ def attend_chunk(
         context_len = seq_len - query.shape[0]
         first = max(0, context_len - sliding_window + 1) // block_size
     blocks = block_table[first : -(-seq_len // block_size)].long()
-    keys = _gather_blocks(k_cache, blocks).flatten(0, 1)  # [S rounded up to blocks, Hkv, Dh]
-    values = _gather_blocks(v_cache, blocks).flatten(0, 1)
+    keys = _gather_blocks(k_cache, blocks, query.dtype).flatten(0, 1)  # [S up to blocks, Hkv, Dh]
+    values = _gather_blocks(v_cache, blocks, query.dtype).flatten(0, 1)
     seq_len -= first * block_size
     return attend_gathered(query, keys, values, seq_len, scale, sliding_window, logits_soft_cap)
 

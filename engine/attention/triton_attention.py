@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, AttentionMetadata
+from tidegate.engine.attention.backend import (
+    KV_CACHE_DTYPES,
+    STANDARD_KV_LAYOUT,
+    AttentionMetadata,
+    to_cache_dtype,
+)
 
 # Split-KV: segments per sequence, and the SM count assumed when no GPU says otherwise.
 NUM_SEGMENTS = 16
@@ -189,6 +194,7 @@ def unified_attention(
         SLIDING=bool(sliding_window),
         SOFT_CAP=logits_soft_cap > 0,
         UPCAST=interpreted and q.dtype == torch.bfloat16,
+        FP8_KV=k_cache.dtype != q.dtype,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
@@ -263,11 +269,18 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+    narrowed = k_cache.dtype in KV_CACHE_DTYPES.values()
+    if (key.dtype != k_cache.dtype and not narrowed) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"key/value are {key.dtype}/{value.dtype} but the cache holds "
-            f"{k_cache.dtype}/{v_cache.dtype}; they must match"
+            f"key/value are {key.dtype}/{value.dtype} but the caches hold "
+            f"{k_cache.dtype}/{v_cache.dtype}; they must hold the keys' dtype or "
+            f"{', '.join(map(str, KV_CACHE_DTYPES.values()))}"
         )
+    if narrowed:
+        # Rounded to FP8 by torch, one elementwise op before the copy: Triton's interpreter
+        # rounds some values that carry into the next power of two wrongly (-7.84 to -4, not
+        # -8), so the kernel only moves bytes, and the tests see what a GPU stores.
+        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("the head dimension of key, value and the caches must be contiguous")
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -313,8 +326,11 @@ def _check_inputs(q, k_cache, v_cache, out, block_table, num_heads, num_kv_heads
         raise ValueError("the head dimension of q, out and the caches must be contiguous")
     if block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous (stride 1 along a row)")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache holds {k_cache.dtype}; they must match")
+    if k_cache.dtype not in (q.dtype, *KV_CACHE_DTYPES.values()) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"q is {q.dtype} but the caches hold {k_cache.dtype}/{v_cache.dtype}; they must "
+            f"hold q's dtype or {', '.join(map(str, KV_CACHE_DTYPES.values()))}"
+        )
 
 
 @triton.jit
@@ -371,6 +387,7 @@ def _attention_kernel(
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     UPCAST: tl.constexpr,  # bf16 under the interpreter, which cannot do bf16 arithmetic
+    FP8_KV: tl.constexpr,  # the cache holds FP8 keys and values, widened to q's dtype on load
     DOT_PRECISION: tl.constexpr,
 ):
     """One (q tile of one sequence, KV head, key segment): online softmax over its keys."""
@@ -428,6 +445,9 @@ def _attention_kernel(
         kv_mask = key_ok[None, :] & dim_ok[:, None]
         k = tl.load(k_cache_ptr + k_rows[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask.T, other=0.0)
+        if FP8_KV:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

@@ -89,8 +89,10 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     metrics.record_cache_config(
         engine_args.block_size,
         engine_args.enable_prefix_caching,
-        # The KV cache holds the model's dtype, as the engine cores resolved it.
-        engine.dtype or engine_args.dtype,
+        # vLLM's label: "fp8", or with auto the model's dtype, as the engine cores resolved it.
+        engine_args.kv_cache_dtype
+        if engine_args.kv_cache_dtype != "auto"
+        else engine.dtype or engine_args.dtype,
     )
     if server_args.prefill_via_header:
         metrics.enable_prefill_via_header()

@@ -35,7 +35,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, KVLayout
+from tidegate.engine.attention.backend import STANDARD_KV_LAYOUT, KVLayout, index_copy_into
 from tidegate.engine.kv_transfer.base import KVConnectorWorker
 from tidegate.engine.kv_transfer.heads import HeadSource, head_sources, heads_of_rank
 from tidegate.engine.kv_transfer.zmq_curve import (
@@ -275,8 +275,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for (k_cache, v_cache), (k, v) in zip(self.kv_caches, pulled, strict=True):
             k, v = self.kv_layout.from_standard(k.to(self.device), v.to(self.device))
-            k_cache.index_copy_(0, index, k)
-            v_cache.index_copy_(0, index, v)
+            index_copy_into(k_cache, index, k)
+            index_copy_into(v_cache, index, v)
 
     def _pull_loop(self) -> None:
         assert self._events is not None

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tidegate.engine.attention import AttentionMetadata, get_attention_backend
+from tidegate.engine.attention.backend import kv_cache_dtype
 from tidegate.engine.config import EngineArgs
 from tidegate.engine.distributed.parallel_state import (
     broadcast,
@@ -66,6 +67,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model_config = model_config
         self.dtype = resolve_dtype(args.dtype, self.model_config)
+        self.kv_cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.attn_backend = get_attention_backend(
             args.attention_backend,
             device,
@@ -73,6 +75,7 @@ class ModelRunner:
             block_size=args.block_size,
             dtype=self.dtype,
             logits_soft_cap=model_config.attn_logit_softcapping is not None,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         self.model, _ = load_model(
             args.model,
@@ -144,7 +147,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all layers, keys and values."""
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_layer = 2 * self.block_size * self.num_kv_heads * cfg.head_dim * elem
         return per_layer * self.model.num_local_layers
 
@@ -157,8 +160,8 @@ class ModelRunner:
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(self.model.num_local_layers)
         ]

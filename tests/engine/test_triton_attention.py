@@ -237,6 +237,46 @@ def test_backend_matches_the_torch_backend_and_leaves_padding_rows_zero():
     assert out[meta.num_tokens :].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_caches_hold_and_give_what_the_torch_backend_does(dtype):
+    """--kv-cache-dtype fp8: the same FP8 bytes stored (clipped, then rounded), and the same
+    attention over them, in one pass and split over key segments."""
+    block_size, head_dim, group = 16, 64, 2
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    chunks = [(13, 1), (0, 9), (40, 4), (70, 1)]
+    meta, _, num_blocks = paged_batch(chunks, block_size, rng, DEVICE)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    caches = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(4)]
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * group, head_dim).to(dtype).to(DEVICE)
+    key = (torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim) * 4).to(dtype).to(DEVICE)
+    value = (torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim) * 4).to(dtype).to(DEVICE)
+    key[0, 0, 0] = 1000.0  # past FP8's 448: clipped, not NaN
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+
+    triton_backend.write_kv(key, value, caches[0], caches[1], meta)
+    torch_backend.write_kv(key, value, caches[2], caches[3], meta)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    assert caches[0].float().abs().max() == 448
+    expected = torch_backend.attend(query, caches[2], caches[3], meta, 0.125).float()
+    tol = TOLERANCE[dtype]
+    for split_kv in (False, True):
+        out = torch.full_like(query, float("nan"))
+        unified_attention(
+            query,
+            caches[0],
+            caches[1],
+            out,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            0.125,
+            split_kv=split_kv,
+        )
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_mismatched_heads_are_refused_with_the_rule():
     query = torch.zeros(1, 3, 64, device=DEVICE)
     cache = torch.zeros(1, 16, 2, 64, device=DEVICE)

@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
@@ -57,3 +58,24 @@ def test_fp8_products_in_triton_give_the_tokens_of_torchs(tiny_fp8_model):
         assert qkv.triton and qkv.weight_scale is not None
         got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
         assert got == expected
+
+
+def test_an_fp8_kv_cache_in_triton_gives_the_tokens_of_torchs(tiny_gemma3_dir):
+    """--kv-cache-dtype fp8 with the triton backend: the tokens of the torch backend's FP8
+    cache (Gemma 3: a windowed layer beside a full one), prompts chunked and prefix-cached."""
+    shared = "The tide gate opens at dawn and closes at dusk, every day of the year, " * 2
+    prompts = [shared + "while the keeper sleeps", shared + "and the boats wait", "Hi"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    common = dict(
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        max_num_batched_tokens=40,
+        long_prefill_token_threshold=24,
+    )
+    reference = LLM(model=str(tiny_gemma3_dir), attention_backend="torch", **common)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    triton_llm = LLM(model=str(tiny_gemma3_dir), attention_backend="triton", **common)
+    assert triton_llm.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)]
+    assert got == expected
+    assert triton_llm.stats()["prefix_cache_hits"] > 0
