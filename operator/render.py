@@ -323,6 +323,10 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         # auto is the engine's default: a spec without the field renders (and hashes) as it
         # did before the field existed, so an upgrade of the operator rolls no pod.
         values["quantization"] = spec.model.quantization
+    if spec.model.kv_cache_dtype != "auto":
+        # Every role alike: the KV transfer moves raw cache blocks, and a decode pod refuses
+        # blocks of another dtype than its own. Only when not auto, as quantization above.
+        values["kv_cache_dtype"] = spec.model.kv_cache_dtype
     if spec.model.tool_call_parser is not None:
         # Every role alike: the router sends a prefill pod the client's request, tools and
         # tool_choice included, and a server without a parser refuses tool_choice auto.

@@ -212,6 +212,8 @@ class ModelSpec(SpecModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # The engine's `quantization` choices (EngineArgs); a test keeps the two the same.
     quantization: Literal["auto", "fp8", "none"] = "auto"
+    # The engine's `kv_cache_dtype` choices (EngineArgs); a test keeps the two the same.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     # The engine's `tool_call_parser` choices (ServerArgs); a test keeps the two the same.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="The model family's format of tool calls"

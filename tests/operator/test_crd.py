@@ -541,6 +541,12 @@ INVALID = [
         "spec.model.quantization: Input should be 'auto', 'fp8' or 'none'",
     ),
     _row(
+        "bad-kv-cache-dtype",
+        {"model": {"kvCacheDtype": "int8"}},
+        'spec.model.kvCacheDtype: Unsupported value: "int8": supported values: "auto", "fp8"',
+        "spec.model.kvCacheDtype: Input should be 'auto' or 'fp8'",
+    ),
+    _row(
         "tool-call-parser-not-the-engines",
         {"model": {"toolCallParser": "qwen"}},
         'spec.model.toolCallParser: Unsupported value: "qwen": supported values: "hermes", '
@@ -991,6 +997,7 @@ _models = st.fixed_dictionaries(
         "maxModelLen": st.integers(16, 1_000_000),
         "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
         "quantization": st.sampled_from(["auto", "fp8", "none"]),
+        "kvCacheDtype": st.sampled_from(["auto", "fp8"]),
         "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
     },
 )

@@ -2040,6 +2040,49 @@ def test_fp8_leaves_the_fetch_volume_and_load_deadline_sized_by_the_checkpoint()
     ]
 
 
+# --- KV cache dtype (spec.model.kvCacheDtype) ------------------------------------------------
+
+KV_CACHE_DTYPES = CRD_MODEL["properties"]["kvCacheDtype"]["enum"]
+
+
+def test_the_crd_offers_exactly_the_engines_kv_cache_dtypes() -> None:
+    engine = get_args(EngineArgs.model_fields["kv_cache_dtype"].annotation)
+    assert sorted(KV_CACHE_DTYPES) == sorted(engine)
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_an_fp8_kv_cache_reaches_every_engine_role_and_the_engine_takes_it(
+    layout: str, tmp_path: Path
+) -> None:
+    spec, engine_roles = ENGINE_LAYOUTS[layout]
+    rendered = render_spec(spec | {"model": {**spec["model"], "kvCacheDtype": "fp8"}})
+    texts = config_map(rendered)["data"]
+    # Prefill and decode alike: a decode pod refuses KV blocks of another dtype than its own.
+    for role in engine_roles:
+        assert role_args(texts, role, EngineArgs, tmp_path).kv_cache_dtype == "fp8"
+    # The router holds no KV cache.
+    if "router.yaml" in texts:
+        assert "kv-cache-dtype" not in yaml.safe_load(texts["router.yaml"])
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_kv_cache_dtype_auto_or_absent_renders_no_flag(layout: str) -> None:
+    spec, _ = ENGINE_LAYOUTS[layout]
+    auto = spec | {"model": {**spec["model"], "kvCacheDtype": "auto"}}
+    for text in config_map(render_spec(spec))["data"].values():
+        assert "kv-cache-dtype" not in yaml.safe_load(text)
+    # auto is the engine's default: resources that predate the field keep their pods.
+    assert config_map(render_spec(auto)) == config_map(render_spec(spec))
+
+
+def test_changing_the_kv_cache_dtype_rolls_the_engine_pods_not_the_router() -> None:
+    auto = hashes(SPLIT)
+    fp8 = hashes(SPLIT | {"model": model(kvCacheDtype="fp8")})
+    for engine in ("llm-prefill", "llm-decode"):
+        assert auto[engine] != fp8[engine]
+    assert auto["llm-router"] == fp8["llm-router"]
+
+
 # --- speculative decoding (spec.speculativeDecoding) ------------------------------------------
 
 SPECULATIVE = {"numSpeculativeTokens": 5, "promptLookupMax": 3, "disableByBatchSize": 32}
