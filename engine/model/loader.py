@@ -21,7 +21,7 @@ from tidegate.engine.model.layers import Fp8Layout, Linear, fp8_linears
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS, FusedExperts
 from tidegate.engine.model.quantization import (
-    INPUT_SCALE_SUFFIX,
+    UNUSED_SCALE_SUFFIXES,
     DequantizedSlice,
     is_scale,
     resolve_weight_format,
@@ -122,8 +122,8 @@ def load_weights(
         hf_name = _text_name(checkpoint_name, multimodal)
         if hf_name is None:
             continue  # served as a text model: images are refused before the engine
-        if fp8 is not None and (is_scale(hf_name) or hf_name.endswith(INPUT_SCALE_SUFFIX)):
-            continue  # weight scales were read up front; activations are scaled per token
+        if fp8 is not None and (is_scale(hf_name) or hf_name.endswith(UNUSED_SCALE_SUFFIXES)):
+            continue  # weight scales were read up front; calibrated ones are not used
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue  # recomputed buffers, and the copy of a tied embedding
         name, shard = _our_name(hf_name)

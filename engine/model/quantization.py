@@ -51,8 +51,18 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 # Names of a weight's scale in the formats above, in the order they are looked for.
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
-# Calibrated activation scales (static quantization): read and not used, see above.
-INPUT_SCALE_SUFFIX = ".input_scale"
+# Calibrated scales an FP8 checkpoint may carry and the engine does not use: activations'
+# (static quantization; per-token scales instead, see above) and the KV cache's (a
+# kv_cache_scheme: --kv-cache-dtype fp8 stores keys and values unscaled, as vLLM does when a
+# checkpoint has none).
+UNUSED_SCALE_SUFFIXES = (
+    ".input_scale",
+    ".k_scale",
+    ".v_scale",
+    ".kv_scale",
+    ".q_scale",
+    ".output_scale",
+)
 WeightFormat = Literal["fp8", "dequantize"]
 
 

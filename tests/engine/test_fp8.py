@@ -553,3 +553,31 @@ def test_adapters_over_fp8_weights_equal_peft_over_fp8_products(tiny_fp8_model, 
     assert got == transformers_greedy(plain, prompts, w8a8=True, group=group, adapter=adapter)
     assert base == transformers_greedy(plain, prompts, w8a8=True, group=group)
     assert got != base
+
+
+def test_calibrated_kv_cache_scales_are_read_past(tiny_fp8_model, tmp_path):
+    """A checkpoint quantized with a kv_cache_scheme carries k_scale and v_scale per layer
+    (and older ones kv_scale): the engine does not use them, and loads the rest as without."""
+    source = tiny_fp8_model("llama", "fp8-tensor")
+    folder = tmp_path / "kv-scales"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "dynamic": False,
+        "symmetric": True,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    for layer in range(config["num_hidden_layers"]):
+        for name in ("k_scale", "v_scale", "kv_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.05)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    prompts = prompts_for(folder)[:3]
+    for kv_cache_dtype in ("auto", "fp8"):
+        assert (
+            engine_greedy(folder, prompts, kv_cache_dtype=kv_cache_dtype)[1]
+            == engine_greedy(source, prompts, kv_cache_dtype=kv_cache_dtype)[1]
+        )
