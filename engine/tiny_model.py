@@ -114,6 +114,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # config.json's model_type where it is not the --arch name.
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
@@ -214,6 +215,8 @@ def make_tiny_model(
     config = _config(arch, size, tokenizer.get_vocab_size(), rope_scaling)
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     weights = _random_weights(config, tokenizer.get_vocab_size(), seed)
+    if arch == "phi3":
+        _fuse_projections(weights, config["num_hidden_layers"])
     if quantize is not None:
         block = 32 if size == "tiny" else 128
         config["quantization_config"] = QUANTIZATIONS[quantize](weights, block)
@@ -284,6 +287,22 @@ def _config(
         config.update(sliding_window=None)
     elif arch == "mistral":
         pass
+    elif arch == "phi3":
+        # Phi-4-mini's shape of RoPE: the first 3/4 of each head rotated, LongRoPE factors
+        # (short up to the 512 pretraining positions, long beyond), and Phi-3-mini's window on
+        # every layer.
+        rotary_pairs = int(shape["head_dim"] * 0.75) // 2
+        config.update(
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(rotary_pairs)],
+                "long_factor": [1.0 + 0.5 * i for i in range(rotary_pairs)],
+            },
+            sliding_window=64,
+            attention_bias=False,
+        )
     elif arch == "gemma2":
         del config["hidden_act"]  # Gemma names it hidden_activation
         config.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False)
@@ -312,6 +331,19 @@ def _config(
             max_window_layers=shape["num_hidden_layers"],
         )
     return config
+
+
+def _fuse_projections(weights: dict[str, torch.Tensor], layers: int) -> None:
+    """Phi-3's checkpoint names: q, k and v stacked in `qkv_proj`, gate and up in
+    `gate_up_proj`."""
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for fused, parts in (
+            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ):
+            tensors = [weights.pop(f"{p}{part}.weight") for part in parts]
+            weights[f"{p}{fused}.weight"] = torch.cat(tensors)
 
 
 def _repeat_layer_types(config: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ MODEL_FIXTURES = frozenset(
         "tiny_qwen3_moe_dir",
         "tiny_mixtral_dir",
         "tiny_fp8_model",
+        "tiny_phi3_dir",
     }
 )
 # Modules elsewhere whose tests start servers, engines or commands in processes of their own.
@@ -176,6 +177,13 @@ def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3 folder: a 24-token sliding-window layer, then a full-attention one."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Phi-3 folder: fused qkv_proj and gate_up_proj, 3/4 of each head rotated by
+    LongRoPE (512 pretraining positions), every layer a 64-token window."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), arch="phi3", size="tiny")
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,17 @@ def _fetch_model(ns: argparse.Namespace) -> int:
 def add_make_tiny_model(parser: argparse.ArgumentParser, config: dict[str, Any] | None) -> None:
     parser.add_argument("dir")
     # engine/tiny_model.py's ARCHITECTURES, spelled out: importing it here would load torch.
-    archs = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral"]
+    archs = [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "qwen3_moe",
+        "mixtral",
+    ]
     parser.add_argument("--arch", choices=archs, default="llama")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--seed", type=int, default=0)

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Phi3ForCausalLM",
 )
 # Multimodal architectures whose language model is served on its own: text in, text out, and
 # their vision tower and projector left unread.
@@ -59,7 +60,7 @@ _GEMMA_DEFAULTS = {
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # RoPE variants rotary.py computes exactly as transformers does; "default" means no scaling.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # config.json's activation names -> ours: SwiGLU's silu, or Gemma's tanh-approximated GELU.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -87,7 +88,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a decoder-only model of the Llama family: Llama, Mistral, Qwen2,
-    Qwen3, Gemma 2 and 3, and the mixture-of-experts Mixtral and Qwen3-MoE."""
+    Qwen3, Gemma 2 and 3, Phi-3 and 4, and the mixture-of-experts Mixtral and Qwen3-MoE."""
 
     architecture: str
     vocab_size: int
@@ -130,6 +131,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     # An FP8 checkpoint's scale layout (config.json quantization_config); None: unquantized.
     fp8: Fp8Checkpoint | None = None
+    # Leading dims of each head that RoPE rotates (Phi-4-mini's partial_rotary_factor 0.75);
+    # None: all of them.
+    rotary_dim: int | None = None
 
     def window(self, layer: int) -> int:
         """Decoder layer `layer`'s sliding window (0: full attention)."""
@@ -143,6 +147,17 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """Longest sequence the model's positions cover."""
         return self.max_position_embeddings
+
+    def at_context_length(self, max_model_len: int) -> ModelConfig:
+        """This config for an engine serving up to `max_model_len` tokens. LongRoPE (Phi-3)
+        rotates with its long factors when that is beyond the pretraining length, as vLLM
+        does, and with its short ones otherwise, as transformers does for such sequences (it
+        switches per batch, which a KV cache cannot follow)."""
+        scaling = self.rope_scaling
+        if not scaling or scaling.get("rope_type") != "longrope":
+            return self
+        long = max_model_len > scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**scaling, "long_context": long})
 
     def check_tensor_parallel(self, size: int) -> None:
         """Refuse a tensor-parallel size this model's shapes cannot be split by."""
@@ -227,6 +242,12 @@ class ModelConfig:
             128 if architecture == "Qwen3ForCausalLM" else raw["hidden_size"] // heads
         )
         head_dim = raw.get("head_dim") or default_head_dim
+        rotary_dim = None
+        partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get(
+            "partial_rotary_factor"
+        )
+        if partial is not None and partial != 1.0:
+            rotary_dim = int(head_dim * partial)
         if architecture == "Gemma3ForCausalLM":
             (rope_theta, rope_scaling), local_rope = _gemma3_rope(raw)
         else:
@@ -265,6 +286,7 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping") if is_gemma else None,
             attn_logit_softcapping=raw.get("attn_logit_softcapping") if is_gemma else None,
             fp8=read_fp8_checkpoint(raw.get("quantization_config")),
+            rotary_dim=rotary_dim,
         )
 
 
@@ -304,6 +326,8 @@ def _layer_windows(architecture: str, raw: dict[str, Any]) -> tuple[int, ...]:
     """
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window") if architecture != "LlamaForCausalLM" else None
+    if window and window >= raw.get("max_position_embeddings", window + 1):
+        window = None  # no sequence is longer (Phi-3.5's 262,144 over 131,072 positions)
     if architecture in ("Qwen2ForCausalLM", *_QWEN3) and not raw.get("use_sliding_window"):
         window = None
     if not window:
@@ -398,8 +422,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     params["rope_type"] = rope_type
     params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
     # As transformers: a top-level original length wins, else max_position_embeddings.
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         if "original_max_position_embeddings" in raw:
             params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))

@@ -53,6 +53,29 @@ def _narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
     return loaded[index]
 
 
+class _RowWindow:
+    """Rows [first, first + size) of a lazy tensor (a safetensors slice, a dequantized one):
+    sliced as the tensor itself would be, reading only the rows asked for."""
+
+    def __init__(self, loaded: Any, first: int, size: int) -> None:
+        self.loaded, self.first, self.size = loaded, first, size
+
+    def get_shape(self) -> list[int]:
+        return [self.size, *list(self.loaded.get_shape())[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        start, stop, _ = index[0].indices(self.size)
+        return self.loaded[(slice(self.first + start, self.first + stop), *index[1:])]
+
+
+def _rows(loaded: Any, first: int, size: int) -> Any:
+    """Rows [first, first + size) of a tensor or a lazy one."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(0, first, size)
+    return _RowWindow(loaded, first, size)
+
+
 def _whole(loaded: Any) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
@@ -249,9 +272,15 @@ class Linear(nn.Module):
     ) -> None:
         """Copy this rank's part of an FP8 checkpoint weight's scale (whichever layout) into
         weight_scale, as [rows, K-groups]."""
+        self._store_scale(expand_scale(scale, checkpoint), shard_id, scale.shape)
+
+    def _store_scale(
+        self, expanded: torch.Tensor, shard_id: str | None, checkpoint_shape: torch.Size
+    ) -> None:
+        """This rank's rows and K-groups of a scale expanded to [rows, G] ([1, 1]: one for
+        every row)."""
         start, length, dest = self._rows_of(shard_id)
         target = self.weight_scale.narrow(0, dest, length)
-        expanded = expand_scale(scale, checkpoint)
         if expanded.numel() == 1:
             target.fill_(expanded.item())
             return
@@ -259,7 +288,7 @@ class Linear(nn.Module):
         cols = self._scale_columns(rows)
         if cols.shape != target.shape:
             raise ValueError(
-                f"weight scale of shape {tuple(scale.shape)} does not fit a linear of "
+                f"weight scale of shape {tuple(checkpoint_shape)} does not fit a linear of "
                 f"{tuple(self.weight.shape)} with scales {tuple(self.weight_scale.shape)}"
             )
         target.copy_(cols)
@@ -337,6 +366,9 @@ class MergedLinear(Linear):
         if source_rows is None:
             source_rows = {name: shard_range(size) for name, size in output_sizes.items()}
         self.source_rows = source_rows
+        # Each shard's rows in the checkpoint: a fused tensor (Phi-3's qkv_proj, gate_up_proj)
+        # stacks them in this order.
+        self.checkpoint_sizes = dict(output_sizes)
         # This rank's rows per shard, in order: what the caller splits the output by.
         self.output_sizes = {name: length for name, (_, length) in source_rows.items()}
         super().__init__(input_size, sum(self.output_sizes.values()), bias)
@@ -347,13 +379,45 @@ class MergedLinear(Linear):
             offset += size
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
-        """Copy this rank's rows of one shard (e.g. "gate" or "k") into their place."""
+        """Copy this rank's rows of one shard (e.g. "gate" or "k") into their place; without a
+        shard, a fused checkpoint tensor's rows of every shard."""
+        if shard_id is None:
+            total = sum(self.checkpoint_sizes.values())
+            rows = loaded.shape[0] if isinstance(loaded, torch.Tensor) else loaded.get_shape()[0]
+            if rows != total:
+                raise ValueError(
+                    f"a fused checkpoint tensor of {rows} rows cannot hold this linear's "
+                    f"{', '.join(f'{n} {s}' for n, s in self.checkpoint_sizes.items())} rows"
+                )
+            for name, first, size in self._fused_rows():
+                self.weight_loader(param, _rows(loaded, first, size), name)
+            return
         start, length, offset = self._rows_of(shard_id)
         rows = _whole(_narrow(loaded, 0, start, length))
         if param is self.weight and self.weight_scale is not None:
             self._store_rows(offset, rows)
         else:
             _copy_loader(param.narrow(0, offset, length), rows)
+
+    def scale_loader(
+        self, scale: torch.Tensor, checkpoint: Fp8Checkpoint, shard_id: str | None = None
+    ) -> None:
+        """A shard's scale, or without a shard a fused checkpoint tensor's (its rows repeated
+        per block first, so a block across two shards gives each its rows' scale)."""
+        if shard_id is not None:
+            super().scale_loader(scale, checkpoint, shard_id)
+            return
+        expanded = expand_scale(scale, checkpoint)
+        for name, first, size in self._fused_rows():
+            part = expanded if expanded.numel() == 1 else expanded.narrow(0, first, size)
+            self._store_scale(part, name, scale.shape)
+
+    def _fused_rows(self) -> Iterator[tuple[str, int, int]]:
+        """(shard, its first row, its rows) in a fused checkpoint tensor."""
+        first = 0
+        for name, size in self.checkpoint_sizes.items():
+            yield name, first, size
+            first += size
 
     def _rows_of(self, shard_id: str | None) -> tuple[int, int, int]:
         """A shard's rows: the ones this rank keeps of its checkpoint tensor, and their place."""

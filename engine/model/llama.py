@@ -178,7 +178,9 @@ class LlamaModel(nn.Module):
             scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype())
             self.embed_scale = scale.item()
         positions = config.max_position_embeddings
-        rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(
+            config.head_dim, positions, config.rope_theta, config.rope_scaling, config.rotary_dim
+        )
         # Gemma 3's sliding-window layers rotate with their own base frequency.
         local_rotary = rotary
         if config.local_rope is not None:

@@ -17,7 +17,7 @@ from tidegate.engine.model.config import (
     ModelConfig,
     checkpoint_files,
 )
-from tidegate.engine.model.layers import Fp8Layout, Linear, fp8_linears
+from tidegate.engine.model.layers import Fp8Layout, Linear, MergedLinear, fp8_linears
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS, FusedExperts
 from tidegate.engine.model.quantization import (
@@ -113,6 +113,14 @@ def load_weights(
     """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     expected = {_shard_key(name, shard) for name, shard in _expected_shards(model)}
+    # Merged linears' parameters: a fused checkpoint tensor (no shard id) fills every shard.
+    fused = {
+        f"{module_name}.{attr}": list(module.output_sizes)
+        for module_name, module in model.named_modules()
+        if isinstance(module, MergedLinear)
+        for attr in ("weight", "bias")
+        if getattr(module, attr) is not None
+    }
     loaded: set[str] = set()
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
@@ -144,7 +152,8 @@ def load_weights(
                 param.scale_loader(scale, fp8, shard)
             else:
                 param.weight_loader(param, DequantizedSlice(tensor, scale, fp8), shard)
-        loaded.add(_shard_key(name, shard))
+        filled = fused.get(name, [None]) if shard is None else [shard]
+        loaded.update(_shard_key(name, s) for s in filled)
     missing = sorted(expected - loaded)
     if unexpected or missing:
         raise ValueError(
@@ -195,7 +204,8 @@ def _unquantized_stay(model: LlamaForCausalLM, scales: dict[tuple[str, str | Non
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.weight_scale is not None:
             shards = getattr(module, "output_sizes", None) or [None]
-            if not all((f"{name}.weight", shard) in scales for shard in shards):
+            whole = (f"{name}.weight", None) in scales  # a fused checkpoint tensor's
+            if not whole and not all((f"{name}.weight", shard) in scales for shard in shards):
                 module.hold_full_precision()
         elif isinstance(module, FusedExperts) and module.gate_up_scale is not None:
             params = ("gate_up_proj", "down_proj")

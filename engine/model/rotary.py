@@ -18,9 +18,12 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, attention_factor = _inv_freq(head_dim, base, scaling, max_position)
+        # Phi-4-mini rotates the first 3/4 of each head and passes the rest through.
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = _inv_freq(self.rotary_dim, base, scaling, max_position)
         # Computed in float32 and then cast to the model's dtype, exactly as transformers does,
         # so that bf16 models round the same way. Shapes: [max_position, head_dim // 2].
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
@@ -34,7 +37,12 @@ class RotaryEmbedding(nn.Module):
         """Rotate query [T, Hq, D] and key [T, Hkv, D] for tokens at `positions` [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        if self.rotary_dim == query.shape[-1]:
+            return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        dim = self.rotary_dim
+        return tuple(
+            torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1) for x in (query, key)
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,6 +65,8 @@ def _inv_freq(
         return _llama3(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn(dim, base, scaling, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope(dim, base, scaling, max_position_embeddings)
     raise ValueError(f"rope type {rope_type!r} is not supported")
 
 
@@ -108,4 +118,26 @@ def _yarn(
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
         1.0 / pos_freqs
     ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(
+    dim: int, base: float, scaling: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, the long list's when the
+    engine serves beyond the pretraining length (`long_context`, ModelConfig.at_context_length),
+    else the short one's; cos and sin scaled by sqrt(1 + ln(s) / ln(original length)), s the
+    extension's ratio."""
+    old_len = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / old_len
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        )
+    factors = scaling["long_factor" if scaling.get("long_context") else "short_factor"]
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for {dim // 2} frequencies")
+    ext = torch.tensor(factors, dtype=torch.float32)
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)

@@ -65,6 +65,8 @@ class ModelRunner:
         self.args = args
         self.device = device
         self.max_model_len = max_model_len
+        # LongRoPE's factors (Phi-3) depend on the longest context served.
+        model_config = model_config.at_context_length(max_model_len)
         self.model_config = model_config
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         self.kv_cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)

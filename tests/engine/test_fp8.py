@@ -419,6 +419,7 @@ CHECKPOINTS = [
     ("llama", "fp8-tensor"),
     ("qwen3_moe", "fp8-block"),
     ("gemma3", "fp8-channel"),
+    ("phi3", "fp8-block"),  # fused qkv_proj and gate_up_proj, and their scales
 ]
 IDS = [f"{arch}-{quantize}" for arch, quantize in CHECKPOINTS]
 

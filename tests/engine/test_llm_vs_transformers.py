@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tidegate.engine import LLM, SamplingParams
+from tidegate.engine import LLM, SamplingParams, tiny_model
 
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 512
@@ -63,18 +63,9 @@ def greedy_of(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return outputs
 
 
-# Mistral and Gemma have sliding windows far shorter than the longer prompts; Gemma 2 caps
+# Mistral, Gemma and Phi-3 have sliding windows far shorter than the longer prompts; Gemma 2 caps
 # its attention scores (on the torch backend: the cpu kernel has no cap).
-ARCHITECTURES = [
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3",
-    "qwen3_moe",
-    "mixtral",
-]
+ARCHITECTURES = list(tiny_model.ARCHITECTURES)  # every one make-tiny-model writes
 
 
 @pytest.fixture(
@@ -184,3 +175,15 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
     # Without prompt_logprobs the same prompts hit the cache again.
     llm.generate(prompts[2:5], params)
     assert llm.stats()["prefix_cache_hits"] >= 96
+
+
+def test_phi3_past_its_pretraining_length_rotates_with_the_long_factors(tiny_phi3_dir):
+    """An engine serving beyond LongRoPE's 512 pretraining positions uses the long factors
+    (as vLLM; transformers switches to them for a sequence that long): a 600-token prompt's
+    tokens equal transformers'."""
+    prompt = [3 + (37 * i) % 1000 for i in range(600)]
+    expected = transformers_greedy(tiny_phi3_dir, [prompt])
+    llm = LLM(model=str(tiny_phi3_dir), dtype="float32", max_model_len=1024)
+    scaling = llm.engine.executor.worker.runner.model_config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["long_context"]
+    assert [o.outputs[0].token_ids for o in llm.generate([prompt], GREEDY)] == expected

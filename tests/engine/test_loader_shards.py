@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tidegate.engine import LLM, SamplingParams
+from tidegate.engine.model.layers import MergedLinear
 
 
 def write_sharded_copy(src, dst, num_shards: int, dtype: torch.dtype | None) -> None:
@@ -55,3 +56,14 @@ def test_half_precision_checkpoints_load_into_float32(tiny_llama_dir, tmp_path, 
     for a, b in zip(full, half, strict=True):
         # Rounded weights move logits a little: the first step's top-5 mostly agree.
         assert len(set(a.logprobs[0]) & set(b.logprobs[0])) >= 4
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_refused():
+    """Phi-3's qkv_proj fills q, k and v of a merged linear; a tensor of other rows does not
+    fit, whatever its slices would hold."""
+    merged = MergedLinear(16, {"gate": 8, "up": 8})
+    with torch.no_grad():
+        merged.weight_loader(merged.weight, torch.arange(256.0).view(16, 16))
+        assert torch.equal(merged.weight, torch.arange(256.0).view(16, 16))
+        with pytest.raises(ValueError, match="of 20 rows cannot hold this linear's gate 8, up 8"):
+            merged.weight_loader(merged.weight, torch.zeros(20, 16))

@@ -72,6 +72,7 @@ def _generate(
         "tiny_llama_dir",
         "tiny_qwen2_dir",
         "tiny_gemma3_dir",
+        "tiny_phi3_dir",
         "tiny_qwen3_moe_dir",
         "tiny_mixtral_dir",
     ],
