@@ -286,15 +286,37 @@ class LocalRollout:
             self._consider(self.stable, measured(proposals))
 
     def _restart(self, pod: LocalPod) -> None:
-        """Drain the pod, then start it again (it reads its config file anew) and wait for it."""
+        """Drain the pod, then start it again (it reads its config file anew) and wait until
+        it serves and the router sends it requests again."""
         pod.active = False
         deadline = self._clock() + READY_TIMEOUT_S
         while not pod.idle and self._clock() < deadline:
             time.sleep(0.1)  # the supervisor drains it
         pod.active = True
-        while not self._healthy(pod) and self._clock() < deadline:
-            time.sleep(0.1)  # the supervisor starts it
+        while not (self._healthy(pod) and self._routed(pod)) and self._clock() < deadline:
+            # The supervisor starts it; the router's next check finds it back. Until then the
+            # router holds the pod for down (its checks failed while it restarted), and turning
+            # the canary off would leave the role with no pod it routes to: a 503.
+            time.sleep(0.1)
         logger.info("canary: %s restarted with the promoted config", pod.name)
+
+    def _routed(self, pod: LocalPod) -> bool:
+        """Whether every serving router that checks the pod sees it healthy
+        (tidegate:router_backend_up); a router that does not know the pod does not count."""
+        for router in self.pods:
+            if router.role != "router" or router.server is None or not router.active:
+                continue
+            try:
+                response = self._fetch(f"{router.url}/metrics")
+            except httpx.HTTPError:
+                return False
+            if response.status_code != 200:
+                return False
+            for sample in parse_exposition(response.text):
+                seen = sample.name == "tidegate:router_backend_up" and sample.labels.get("url")
+                if seen == pod.url and sample.value != 1.0:
+                    return False
+        return True
 
     def _turn_off_canaries(self, roles: tuple[str, ...]) -> None:
         for pod in self._canaries(roles):

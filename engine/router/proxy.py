@@ -197,13 +197,16 @@ class Proxy:
                 response = await self.client.send(request, stream=stream)
             except (httpx.ConnectTimeout, httpx.ConnectError) as error:
                 self._failed(pool, instance, leg, f"cannot connect: {error!r}")
+                await self._replacement(pool, deadline, tried)
                 continue
             except httpx.TimeoutException:
                 instance.in_flight -= 1
                 self.metrics.requests.labels(leg, "timeout").inc()
                 raise errors.gateway_timeout(role, instance.url, timeout.read or 0) from None
             except httpx.TransportError as error:
-                # It accepted the connection and then dropped it: the process died.
+                # It accepted the connection and then dropped it: the process died, perhaps
+                # while running this request, which then fails (a 503 once none is left)
+                # rather than waiting for a restart to run it again.
                 self._failed(pool, instance, leg, f"dropped the connection: {error!r}")
                 continue
             except BaseException:  # cancelled: the client went away
@@ -214,16 +217,24 @@ class Proxy:
                 await response.aclose()
                 instance.in_flight -= 1
                 pool.mark_down(instance, f"{method} {path} answered {response.status_code}")
-                if DRAINING_HEADER in response.headers and not pool.healthy():
-                    # It was told to stop (a scale-down, say) and ran nothing of this request:
-                    # wait for the instance that replaces it, as for a pool at zero.
-                    await self.holding.until_ready(pool, deadline)
-                    tried.clear()
+                if DRAINING_HEADER in response.headers:
+                    # It was told to stop (a scale-down, say) and ran nothing of this request.
+                    await self._replacement(pool, deadline, tried)
                 continue
             if not stream:
                 instance.in_flight -= 1
             return instance, response
         raise errors.no_instance(pool, self.retry_after_s)
+
+    async def _replacement(self, pool: InstancePool, deadline: float, tried: set[str]) -> None:
+        """After the pool's last healthy instance refused this leg before running any of it
+        (nobody listening, or told to stop, before the router's checks saw it go: a rollout,
+        a scale-down), wait for one that replaces it, as a leg that starts at an empty pool
+        does, and try again from there; with other healthy instances left, the leg goes on to
+        those."""
+        if not pool.healthy():
+            await self.holding.until_ready(pool, deadline)
+            tried.clear()
 
     def _failed(self, pool: InstancePool, instance: Instance, leg: str, reason: str) -> None:
         instance.in_flight -= 1

@@ -154,3 +154,51 @@ def test_a_closed_loop_proposal_is_tried_on_the_canary(tmp_path: Path, clock: Cl
     assert rollout.trial is None and not canary.active
     assert rollout.rejected == {"unified": [proposed.threshold]}
     assert rollout.rolled_back is None  # a proposal, not a change of the manifest
+
+
+def test_the_canary_serves_until_the_router_routes_to_the_restarted_pods_again(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Promoted: the stable pod restarts while the canary serves. The router marked the pod
+    # down while it restarted and finds it back only at its next check; turning the canary
+    # off before then would leave the router nothing to send requests to (503s).
+    first = resource()
+    machine = Machine(tmp_path, first)
+    canary, stable = machine.pod("tiny-canary-canary"), machine.pod("tiny-canary-0")
+    (router,) = [p for p in machine.pods if p.role == "router"]
+    rollout = rollout_of(tmp_path, machine, first, clock)
+    rollout.poll()
+    save(rollout, resource(scheduling={"maxNumSeqs": 64}))
+    rollout.poll()
+    machine.pages[canary.url] = page(WARM, 0.2, 0.04)
+    rollout.poll()  # ready; the windows begin
+    machine.pages[canary.url] = page(WARM + 60, 0.2, 0.04)  # as fast as the stable pod
+    machine.pages[stable.url] = page(60, 0.2, 0.04)
+
+    checks: list[tuple[float, bool]] = []  # (the router's view of the pod, canary on)
+
+    def fetch(url: str) -> httpx.Response:
+        if url == f"{router.url}/metrics":
+            seen = 1.0 if len(checks) >= 3 else 0.0  # back at the router's third check
+            checks.append((seen, canary.active))
+            other = 'tidegate:router_backend_up{role="unified",url="http://127.0.0.1:1"} 0.0'
+            mine = f'tidegate:router_backend_up{{role="unified",url="{stable.url}"}} {seen}'
+            return httpx.Response(200, text=f"{other}\n{mine}\n")
+        return machine.fetch(url)
+
+    def supervise(_seconds: float) -> None:
+        """The supervisor's part, at each wait: a pod turned off stops, one on starts."""
+        if not stable.active:
+            stable.server = None
+        elif stable.server is None:
+            stable.server = SimpleNamespace(process=SimpleNamespace(poll=lambda: None, pid=2))
+
+    monkeypatch.setattr("tidegate.operator.up_rollout.time.sleep", supervise)
+    rollout._fetch = fetch
+    rollout.poll()
+
+    assert rollout.trial is None and rollout.rolled_back is None  # promoted
+    assert machine.config("unified.yaml")["max-num-seqs"] == 64
+    assert stable.active and stable.server is not None and not canary.active
+    assert [seen for seen, _ in checks] == [0.0, 0.0, 0.0, 1.0]
+    assert all(on for _, on in checks)  # the canary served through every check

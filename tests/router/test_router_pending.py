@@ -141,3 +141,24 @@ def test_a_request_refused_by_the_last_draining_instance_waits_for_its_replaceme
     response = asyncio.run(scenario())
     assert response.status_code == 200 and response.json()["engine"] == new.engine.name
     assert pending(proxy, "unified") == 0
+
+
+def test_a_request_whose_last_instance_died_unseen_waits_for_its_replacement(backend, router):
+    # A rollout: the old instance has exited, the router has not yet seen it go, and it still
+    # holds its replacement for down (its last check ran while it restarted). The request
+    # finds nobody listening there; the pool is then empty, so it is held, as a request that
+    # came to an empty pool is, not refused.
+    old, new = backend("decode"), backend("decode", healthy=False)
+    proxy = router([], [old.url, new.url], health_interval=SLOW_CHECKS_S)
+    old.kill()
+
+    async def scenario() -> httpx.Response:
+        waiting = asyncio.ensure_future(post(proxy, BODY))
+        await asyncio.to_thread(held, proxy, "unified", 1)
+        new.engine.healthy = True
+        return await waiting
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 200 and response.json()["engine"] == new.engine.name
+    assert len(new.engine.received) == 1
+    assert pending(proxy, "unified") == 0
