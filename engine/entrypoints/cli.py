@@ -131,7 +131,11 @@ def add_make_tiny_adapter(parser: argparse.ArgumentParser, config: dict[str, Any
     parser.add_argument("--alpha", type=float, default=None, help="default: the rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--targets", nargs="+", choices=TARGETS, default=None, help="default: all seven"
+        "--targets",
+        nargs="+",
+        choices=TARGETS,
+        default=None,
+        help="default: every projection, as the model names its modules (Phi-3: fused)",
     )
     parser.set_defaults(handler=_make_tiny_adapter)
 

@@ -4,7 +4,10 @@ PEFT saves `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, `target_
 and `adapter_model.safetensors`, whose tensors are named like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and
 `...lora_B.weight` ([out, r]). The delta of a projection is `B @ A @ x * scaling`, with
-scaling `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
+scaling `alpha / r`, or `alpha / sqrt(r)` with rsLoRA. Phi-3's modules are fused in the
+checkpoint (`qkv_proj`, `gate_up_proj`), so its adapters are too: one A and a B whose rows
+are q's, k's and v's (gate's and up's) in turn, which is B's row blocks each with the same A
+(`FUSED_TARGETS`, split so by the workers).
 
 Everything here reads headers and JSON only, never torch: the API server checks a folder
 completely (every tensor's name, shape and dtype) before it accepts the adapter, so a broken
@@ -27,9 +30,17 @@ from tidegate.engine.model.config import MULTIMODAL_PARTS, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections an adapter may target: every linear of the decoder layers.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # a dense layer's only
+# The projections an adapter may target: every linear of the decoder layers, by the names of
+# most models' modules, and Phi-3's fused ones.
+UNFUSED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+TARGETS = (*UNFUSED_TARGETS, *FUSED_TARGETS)
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")  # a dense layer's only
+# Architectures whose checkpoints (and so PEFT's adapters) fuse q/k/v and gate/up.
+_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 _SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 # layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>[.<adapter name>].weight
 _TENSOR_NAME = re.compile(
@@ -70,8 +81,18 @@ class AdapterInfo:
         return [proj for proj in TARGETS if proj in present]
 
 
+def model_targets(config: ModelConfig) -> tuple[str, ...]:
+    """The projections as the model's own modules name them (what PEFT targets)."""
+    if config.architecture in _FUSED_ARCHITECTURES:
+        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return UNFUSED_TARGETS
+
+
 def projection_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
     """(in_features, out_features) of a projection of the whole (unsharded) model."""
+    if proj in FUSED_TARGETS:
+        parts = [projection_shape(config, part) for part in FUSED_TARGETS[proj]]
+        return parts[0][0], sum(out for _, out in parts)
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -84,6 +105,19 @@ def projection_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }[proj]
+
+
+def split_fused(config: ModelConfig, proj: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """A fused projection's (A, B) as its parts' (name, A, B): B's row blocks, each with the
+    same A (B @ A's rows are B's rows times A). Others as they are."""
+    if proj not in FUSED_TARGETS:
+        return [(proj, a, b)]
+    parts, start = [], 0
+    for part in FUSED_TARGETS[proj]:
+        rows = projection_shape(config, part)[1]
+        parts.append((part, a, b[start : start + rows]))
+        start += rows
+    return parts
 
 
 def read_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> AdapterInfo:
@@ -224,6 +258,12 @@ def _check_tensors(
                 f"{WEIGHTS_FILE} holds two lora_{which} weights for layer {layer} {proj}"
             )
         parts.add(which)
+    for layer, proj in seen:
+        for part in FUSED_TARGETS.get(proj, ()):
+            if (layer, part) in seen:
+                raise LoRAError(
+                    f"{WEIGHTS_FILE} adapts layer {layer} {part} twice: on its own and in {proj}"
+                )
     lonely = sorted(key for key, parts in seen.items() if len(parts) != 2)
     if lonely:
         layer, proj = lonely[0]

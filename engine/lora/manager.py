@@ -26,7 +26,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tidegate.engine.lora.adapter import _TENSOR_NAME, WEIGHTS_FILE, LoRAError, read_adapter
+from tidegate.engine.lora.adapter import (
+    _TENSOR_NAME,
+    WEIGHTS_FILE,
+    LoRAError,
+    read_adapter,
+    split_fused,
+)
 from tidegate.engine.lora.ops import (
     LoRAMapping,
     LoRAWeights,
@@ -251,7 +257,8 @@ class LoRAManager:
             assert match is not None  # read_adapter checked every name
             raw.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
         for (layer, proj), pair in raw.items():
-            by_layer.setdefault(layer, {})[proj] = (pair["A"], pair["B"])
+            for part, a, b in split_fused(self.config, proj, pair["A"], pair["B"]):
+                by_layer.setdefault(layer, {})[part] = (a, b)
         weights = [
             stack.arrange(by_layer.get(stack.layer, {}), info.scaling) for stack in self.stacks
         ]

@@ -19,6 +19,7 @@ from tidegate.engine.lora.adapter import (
     MLP_TARGETS,
     TARGETS,
     WEIGHTS_FILE,
+    model_targets,
     projection_shape,
 )
 from tidegate.engine.model.config import ModelConfig
@@ -33,14 +34,16 @@ def make_tiny_adapter(
     targets: list[str] | None = None,
     use_rslora: bool = False,
 ) -> Path:
-    """Write the adapter folder to out_dir; the same arguments always give the same bytes."""
-    targets = list(TARGETS) if targets is None else list(targets)
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
+    """Write the adapter folder to out_dir; the same arguments always give the same bytes.
+    `targets` default to every projection, as the model's modules name them (Phi-3's fused
+    qkv_proj and gate_up_proj)."""
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     config = ModelConfig.from_pretrained(Path(model_dir))
+    targets = list(model_targets(config)) if targets is None else list(targets)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
     dtype = getattr(torch, config.torch_dtype or "float32")
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -28,6 +28,23 @@ PROMPTS = [
 
 def adapters_for(model_dir: Path, root: Path) -> dict[str, Path]:
     """Three adapters of different ranks, targets, alphas (one rsLoRA) for one model folder."""
+    if ModelConfig.from_pretrained(model_dir).architecture == "Phi3ForCausalLM":
+        # PEFT adapts the modules the model has: Phi-3's q/k/v and gate/up are fused.
+        return {
+            "all-r8": make_tiny_adapter(model_dir, root / "all-r8", rank=8, seed=1),
+            "attn-r4": make_tiny_adapter(
+                model_dir, root / "attn-r4", rank=4, alpha=8, seed=2, targets=["qkv_proj"]
+            ),
+            "mlp-r16": make_tiny_adapter(
+                model_dir,
+                root / "mlp-r16",
+                rank=16,
+                alpha=4,
+                seed=3,
+                targets=["gate_up_proj", "o_proj"],
+                use_rslora=True,
+            ),
+        }
     return {
         "all-r8": make_tiny_adapter(model_dir, root / "all-r8", rank=8, seed=1),
         "attn-r4": make_tiny_adapter(
@@ -80,15 +97,19 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
-# Gemma 2: its capped attention runs on the torch backend, with the adapters' deltas.
+# Gemma 2: its capped attention, with the adapters' deltas. Phi-3: fused adapters.
 @pytest.mark.parametrize(
-    "arch", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+    "arch",
+    ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_phi3_dir"],
 )
 def test_adapter_output_equals_transformers_with_peft(arch, request, tmp_path):
     model_dir = request.getfixturevalue(arch)
     adapters = adapters_for(model_dir, tmp_path)
     greedy = GREEDY  # both stop at EOS
-    with LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3) as llm:
+    # Within Phi-3's pretraining length (512), where transformers uses LongRoPE's short
+    # factors for these prompts as the engine does.
+    engine = dict(dtype="float32", max_model_len=512, enable_lora=True, max_loras=3)
+    with LLM(str(model_dir), **engine) as llm:
         loaded = {name: llm.load_lora(name, str(path)) for name, path in adapters.items()}
         for name, lora in loaded.items():
             got = token_ids(llm.generate(PROMPTS, greedy, lora_request=lora))
@@ -269,6 +290,7 @@ def broken(adapter: Path, **config_changes) -> Path:
         (lambda a: _truncate(a / "adapter_model.safetensors") or a, "truncated"),
         (lambda a: a / "missing", "is not a directory"),
         (lambda a: _vision_tensor(a), "adapts the vision tower"),
+        (lambda a: _fused_beside_its_part(a), "adapts layer 1 q_proj twice: on its own and in"),
     ],
     ids=[
         "rank-too-large",
@@ -282,6 +304,7 @@ def broken(adapter: Path, **config_changes) -> Path:
         "truncated",
         "no-folder",
         "vision-tower",
+        "adapted-twice",
     ],
 )
 def test_a_broken_adapter_is_refused_by_name_and_nothing_is_registered(
@@ -310,6 +333,21 @@ def _vision_tensor(adapter: Path) -> Path:
     vision = name.replace("model.layers.", "model.vision_tower.vision_model.encoder.layers.", 1)
     assert vision != name
     tensors[vision] = tensors.pop(name)
+    save_file(tensors, file)
+    return adapter
+
+
+def _fused_beside_its_part(adapter: Path) -> Path:
+    """A layer's q, k and v adapted again as one fused qkv_proj (Phi-3's name)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = adapter / "adapter_model.safetensors"
+    tensors = load_file(file)
+    prefix = "base_model.model.model.layers.1.self_attn"
+    parts = [tensors[f"{prefix}.{p}_proj.lora_B.weight"] for p in "qkv"]
+    tensors[f"{prefix}.qkv_proj.lora_A.weight"] = tensors[f"{prefix}.q_proj.lora_A.weight"].clone()
+    tensors[f"{prefix}.qkv_proj.lora_B.weight"] = torch.cat(parts)
     save_file(tensors, file)
     return adapter
 
