@@ -10,9 +10,13 @@ serving step of the benchmark workload makes: 32 decodes of 128-640 tokens, the 
 2,048 tokens, one 512-token fresh prompt, a 512-token chunk after 2,048 cached tokens (the
 prefill-stall case), that chunk beside 31 decodes, a 16-token chunk after 3,000 cached tokens
 beside 16 decodes (what auto chunking runs deep into a long prompt), and one decode of a
-16,384-token context.
+16,384-token context. `--kv-cache-dtype fp8` stores both backends' caches in FP8 (each
+widens as it reads: torch when it gathers, the kernel per chunk), for comparison with a run
+in the model's dtype.
 
     python benchmarks/cpu_attention.py    # writes benchmarks/results/cpu_attention.json
+    python benchmarks/cpu_attention.py --dtype float32 --kv-cache-dtype fp8 \
+        --out benchmarks/results/cpu_attention_fp8_kv.json
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from pathlib import Path
 import torch
 
 from tidegate.engine.attention import TorchAttentionBackend
-from tidegate.engine.attention.backend import AttentionMetadata, KVLayout
+from tidegate.engine.attention.backend import (
+    AttentionMetadata,
+    KVLayout,
+    kv_cache_dtype,
+    to_cache_dtype,
+)
 from tidegate.engine.attention.cpu_attention import AMX_MAX_KERNEL_QUERY_LEN, CpuAttentionBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +63,12 @@ def scenarios(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def make_batch(chunks, rng: random.Random, dtype: torch.dtype):
-    """(query, k_cache, v_cache, meta), the caches in the standard layout."""
+def make_batch(
+    chunks, rng: random.Random, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+):
+    """(query, k_cache, v_cache, meta), the caches in the standard layout (of `cache_dtype`,
+    default the query's)."""
+    cache_dtype = cache_dtype or dtype
     needed = [-(-(c + q) // BLOCK_SIZE) for c, q in chunks]
     num_blocks = sum(needed) + 8
     free = list(range(num_blocks))
@@ -81,7 +94,8 @@ def make_batch(chunks, rng: random.Random, dtype: torch.dtype):
         seq_lens_cpu=seq_lens,
     )
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    k_cache = to_cache_dtype(torch.randn(shape).to(dtype), cache_dtype)
+    v_cache = to_cache_dtype(torch.randn(shape).to(dtype), cache_dtype)
     query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM).to(dtype)
     return query, k_cache, v_cache, meta
 
@@ -111,10 +125,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu_attention.json")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
     rng = random.Random(0)
     # cpu: the backend as the engine runs it on this CPU; kernel: every sequence through the
     # C++ kernel; kernel_sdpa: chunks over 64 tokens to SDPA, as on a CPU with AMX. The last
@@ -128,7 +144,7 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     rows = []
     for name, chunks in scenarios(rng).items():
-        batch = make_batch(chunks, rng, dtype)
+        batch = make_batch(chunks, rng, dtype, cache_dtype)
         layouts = {b.kv_layout for b in backends.values()}
         batches = {layout: in_layout(batch, layout) for layout in layouts}
         calls = {n: partial(b.attend, *batches[b.kv_layout], scale) for n, b in backends.items()}
@@ -143,6 +159,7 @@ def main() -> None:
     result = {
         "benchmark": "cpu_attention",
         "dtype": args.dtype,
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
         "shape": {"heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "block_size": BLOCK_SIZE,
         "threads": torch.get_num_threads(),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 import torch
@@ -15,8 +14,6 @@ from tidegate.engine.attention.backend import (
     KVLayout,
 )
 from tidegate.engine.attention.torch_attention import TorchAttentionBackend
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -38,15 +35,14 @@ def get_attention_backend(
     head_dim: int | None = None,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
-    logits_soft_cap: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend called `name` ("auto", "torch", "triton", "cpu") for a model on `device`.
 
     auto: triton on CUDA; on CPU the C++ kernel when it builds here and fits the model's
-    head size, block size and dtype (those given) and the model does not cap its attention
-    logits (`logits_soft_cap`, Gemma 2: the kernel has no cap), else the torch reference.
-    A `kv_cache_dtype` other than `dtype` (an FP8 cache) is read by torch and triton only.
+    head size, block size and dtype (those given), else the torch reference. Every backend
+    caps attention logits (`logits_soft_cap`, Gemma 2) and reads a `kv_cache_dtype` other
+    than `dtype` (an FP8 cache).
     """
     fp8_cache = kv_cache_dtype is not None and dtype is not None and kv_cache_dtype != dtype
     if fp8_cache and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -62,32 +58,10 @@ def get_attention_backend(
         if device.type == "cuda":
             name = "triton" if _triton_importable() else "torch"
         else:
-            fits = (
-                not logits_soft_cap
-                and not fp8_cache
-                and _cpu_kernel_fits(head_dim, block_size, dtype)
-            )
-            name = "cpu" if fits else "torch"
-            if logits_soft_cap or fp8_cache:
-                logger.warning(
-                    "%s: using the slower torch attention backend",
-                    "the model caps attention logits, which the cpu kernel does not"
-                    if logits_soft_cap
-                    else "the cpu kernel does not read an FP8 KV cache",
-                )
+            name = "cpu" if _cpu_kernel_fits(head_dim, block_size, dtype) else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
-        if logits_soft_cap:
-            raise ValueError(
-                "attention backend 'cpu' does not cap attention logits (Gemma 2's "
-                "attn_logit_softcapping); use 'torch'"
-            )
-        if fp8_cache:
-            raise ValueError(
-                "attention backend 'cpu' does not read an FP8 KV cache; use 'torch', or "
-                "--kv-cache-dtype auto"
-            )
         return _cpu_backend(device, head_dim, block_size, dtype)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

@@ -107,7 +107,7 @@ class AttentionBackend(Protocol):
     keys at positions p - W < k <= p (W keys, itself included), as Hugging Face's masks
     define it; 0 means full causal attention. `logits_soft_cap` C > 0 (Gemma 2's
     attn_logit_softcapping) replaces each scaled score s by C * tanh(s / C) before the
-    softmax; 0 leaves scores as they are. The `cpu` backend has no cap and refuses one.
+    softmax; 0 leaves scores as they are.
 
     `cuda_graph_safe`: during a step the backend reads only device tensors of the metadata
     (never its host copies or a device value synced to the host), so a CUDA graph captured

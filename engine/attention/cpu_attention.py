@@ -11,7 +11,8 @@ Its cache is not in the standard layout: each layer's k_cache and v_cache are
 `[num_blocks, num_kv_heads, block_size, head_dim]` (`PackedKVLayout`), and within one block
 and KV head the keys are stored transposed into words of two dims, `[block_size/16]
 [head_dim/2][16][2]`, and the values in pairs of keys, `[block_size/16][8][head_dim][2]`
-(the same order in every dtype).
+(the same order in every dtype). The cache holds the model's dtype, or FP8 (float8_e4m3fn,
+`--kv-cache-dtype fp8`: a quarter of float32's bytes), which the kernel widens as it reads.
 That is the order in which AMX tiles and AVX512_BF16 dot products (vdpbf16ps) take their
 operands, so the decode kernel loads keys and values straight from the cache, with no
 transposing or packing per step. KV transfer converts blocks to the standard layout and back.
@@ -78,7 +79,7 @@ def load_cpu_kernels() -> None:
 
     # What torch.compile traces layer_attention as: an opaque op with the query's shape.
     @torch.library.register_fake("tidegate_cpu::layer_attention")
-    def _(query, key, value, layer, scale, sliding_window):
+    def _(query, key, value, layer, scale, sliding_window, logits_soft_cap=0.0):
         return torch.empty_like(query)
 
 
@@ -238,8 +239,8 @@ class CpuAttentionBackend:
     attention on brgemm straight from the packed tiles, in other dtypes as SDPA over its
     context gathered into the standard order (paged_attention.cpp, attend_long_chunks).
     `max_kernel_query_len` 0 sends every chunk to the kernel. So does a call with a sliding
-    window: the oneDNN and SDPA paths have none, and the window is per call (per layer), so
-    one backend serves windowed and full layers alike.
+    window or a soft cap: the oneDNN and SDPA paths have neither, and both are per call (per
+    layer), so one backend serves windowed and full layers alike.
 
     The caches are in the packed layout (`kv_layout`, module docstring) that the kernel reads.
     """
@@ -278,12 +279,10 @@ class CpuAttentionBackend:
         logits_soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys (only the last
-        `sliding_window` of them, itself included, when > 0)."""
-        if logits_soft_cap:
-            # get_attention_backend never picks this backend for such a model.
-            raise ValueError("the cpu attention backend does not cap attention logits")
-        # The long-chunk path has no window: the op sends a windowed call's chunks all to
-        # the kernel.
+        `sliding_window` of them, itself included, when > 0; scores capped at
+        `logits_soft_cap` when > 0)."""
+        # The long-chunk paths have no window and no cap: the op sends such a call's chunks
+        # all to the kernel.
         return torch.ops.tidegate_cpu.attend(
             query,
             k_cache,
@@ -294,6 +293,7 @@ class CpuAttentionBackend:
             meta.num_tokens,
             softmax_scale,
             sliding_window,
+            logits_soft_cap,
             self.max_kernel_query_len,
         )
 
@@ -302,7 +302,7 @@ class CpuAttentionBackend:
     @property
     def layer_op(self):
         """write_kv then attend for one layer, in C++, over the step set by begin_step:
-        (query, key, value, layer, scale, sliding_window) -> out."""
+        (query, key, value, layer, scale, sliding_window, logits_soft_cap) -> out."""
         return torch.ops.tidegate_cpu.layer_attention
 
     def begin_step(

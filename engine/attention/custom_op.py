@@ -62,8 +62,8 @@ def attention_context(
 
 
 def layer_attention_op(backend: AttentionBackend):
-    """The backend's op for a whole layer (q, k, v, layer, scale, sliding_window) -> out, or
-    None: then the model calls `paged_attention`."""
+    """The backend's op for a whole layer (q, k, v, layer, scale, sliding_window,
+    logits_soft_cap) -> out, or None: then the model calls `paged_attention`."""
     return getattr(backend, "layer_op", None)
 
 

@@ -14,7 +14,10 @@
 // torch's intra-op threads from a shared counter, so a long chunk's tiles and many short
 // decodes spread evenly; a tile that attends to many keys becomes one item per KV head.
 // Softmax is online (flash style) in fp32, in base 2 (scores are scaled by
-// scale * log2(e)). Three paths:
+// scale * log2(e)). A soft cap C (Gemma 2's attn_logit_softcapping) replaces each scaled
+// score s by C * tanh(s / C) first; in base 2 that is C' * tanh(s' / C') with C' = C * log2(e).
+// The cache holds the query's dtype, or FP8 (float8_e4m3fn, --kv-cache-dtype fp8): keys and
+// values are widened to fp32 as a chunk is read, through a 256-entry table. Three paths:
 // - attend_item, any dtype and ISA: keys in chunks of KEYS, converted to fp32 once per chunk
 //   and head, serving every query row of the head (the GQA group times the tile's tokens);
 //   plain loops the compiler vectorizes for the ISA it is given (AVX-512 with
@@ -23,33 +26,37 @@
 //   in the lanes.
 // - bf16 on AVX512_BF16, fewer rows (decodes): attend_few_rows_bf16, vdpbf16ps with keys
 //   in the lanes.
+//   Both bf16 paths cap scores with soft_cap_v, the vector form of attend_item's soft_cap,
+//   and read an FP8 cache's tiles widened to bf16 (tile_words) into scratch.
 //
 // Ops (namespace tidegate_cpu):
 //   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-//                   scale, sliding_window, max_query_len)
+//                   scale, sliding_window, logits_soft_cap, max_query_len)
 //     Sequences with more than max_query_len new tokens (when > 0) are skipped: their rows
 //     of `out` are left for the caller.
 //   reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+//     Into an FP8 cache, keys and values are clipped to +-448 and rounded first.
 //   gather_kv(k_cache, v_cache, block_ids, seq_len) -> (keys, values), [kv_heads, seq_len,
 //     head_dim] each: a sequence's context in the standard order, for SDPA
 //   begin_step(k_caches, v_caches, query_start_loc, seq_lens, block_table, slot_mapping,
 //              max_query_len), end_step()
 //   attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, num_tokens,
-//          scale, sliding_window, max_query_len) -> out
+//          scale, sliding_window, logits_soft_cap, max_query_len) -> out
 //     The kernel for sequences of up to max_query_len new tokens; longer ones (where the CPU
 //     has AMX) as flash attention on oneDNN's brgemm in bf16, else SDPA over their context
-//     gathered from the tiles. Those paths have no window: with one, the kernel takes
-//     every sequence, whatever max_query_len says.
-//   layer_attention(query, key, value, layer, scale, sliding_window) -> out
+//     gathered from the tiles (widened from FP8). Those paths have no window and no cap:
+//     with either, the kernel takes every sequence, whatever max_query_len says.
+//   layer_attention(query, key, value, layer, scale, sliding_window, logits_soft_cap) -> out
 //     One layer's whole attention within a step: reshape_and_cache, then attend. The step's
 //     caches and metadata are set once by begin_step, so a compiled graph calls this op
 //     directly, with no Python in between (the Python path cost about 40 us a layer). The
-//     window is the layer's own (layers of one model differ).
+//     window and the cap are the layer's own (layers of one model differ).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -59,6 +66,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -88,6 +96,21 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// An FP8 (e4m3fn) cache element: its byte, widened through a table (a load the compiler
+// can vectorize as a gather, where c10's conversion branches per element).
+struct Fp8 {
+  uint8_t bits;
+};
+const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> values{};
+  for (int i = 0; i < 256; ++i) {
+    values[i] = static_cast<float>(
+        c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+  return values;
+}();
+inline float to_float(Fp8 x) { return kFp8Values[x.bits]; }
+
 // 2^x for x <= 0, within ~1e-7 relative; 0 below -126 (and for -inf). Plain arithmetic the
 // compiler vectorizes, unlike std::exp2: 2^x = 2^n * 2^f, n = round(x), f in [-0.5, 0.5],
 // 2^f by its Taylor series to degree 7 (truncation error < 1e-8).
@@ -109,6 +132,18 @@ inline float exp2_nonpositive(float x) {
   return x < -126.f ? 0.f : p * two_n;
 }
 
+// C * tanh(s / C) for a cap C > 0: tanh(y) = (1 - e) / (1 + e), e = exp(-2|y|), with the
+// sign of s; below |y| = 1/16, where 1 - e cancels, its series to y^7 (truncation < 1e-12).
+// Plain arithmetic, so the loops over a chunk's scores vectorize. NaN stays NaN.
+inline float soft_cap(float s, float cap) {
+  const float y = std::fabs(s) / cap;
+  const float e = exp2_nonpositive(-2.f * kLog2e * y);
+  const float y2 = y * y;
+  const float series = y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315))));
+  const float t = y < 0.0625f ? series : (1.f - e) / (1.f + e);
+  return std::copysign(cap * t, s);
+}
+
 template <typename T>
 inline T from_float(float x) {
   return static_cast<T>(x);  // round to nearest even for Half and BFloat16
@@ -128,6 +163,7 @@ struct Problem {
   int64_t bt_row, max_blocks, block_size;
   float scale_log2;  // softmax scale * log2(e)
   int64_t window;    // 0: none
+  float cap_log2;    // the soft cap times log2(e), in the scores' base-2 units; 0: none
 };
 
 // The caches' layout (see the top of the file): the KEYS-key tile of a sequence's keys or
@@ -172,6 +208,37 @@ inline const uint32_t* partial_values(const uint32_t* tile, int n, uint32_t* cop
   return copy;
 }
 
+// A tile as bf16 words: a bf16 cache's own (nothing copied), an FP8 cache's widened into
+// `out` (KEYS * HEAD elements, in the tile's order). e4m3fn's bits, placed as an fp16's
+// (sign, exponent, mantissa: the fp16 of 2^-8 times the value, subnormals included), are
+// widened to fp32 and multiplied by 256: exact, as is the rounding to bf16 that follows
+// (3 mantissa bits fit in 7). The one NaN code stays NaN. 32 elements per step.
+template <int HEAD>
+inline const uint32_t* tile_words(const c10::BFloat16* tile, uint32_t* /*out*/) {
+  return reinterpret_cast<const uint32_t*>(tile);
+}
+inline void widen_fp8(const uint8_t* src, int64_t count, uint32_t* out) {
+  const __m512 k256 = _mm512_set1_ps(256.f);
+  const __m512i low7 = _mm512_set1_epi16(0x7f);
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512i b =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m512i magnitude = _mm512_and_si512(b, low7);
+    const __m512i half = _mm512_or_si512(
+        _mm512_slli_epi16(_mm512_andnot_si512(low7, b), 8), _mm512_slli_epi16(magnitude, 7));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), k256);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), k256);
+    __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    words = _mm512_mask_mov_epi16(words, _mm512_cmpeq_epi16_mask(magnitude, low7),
+                                  _mm512_set1_epi16(0x7fc0));
+    _mm512_storeu_si512(out + i / 2, words);
+  }
+}
+template <int HEAD>
+inline const uint32_t* tile_words(const Fp8* tile, uint32_t* out) {
+  widen_fp8(reinterpret_cast<const uint8_t*>(tile), KEYS * HEAD, out);
+  return out;
+}
 
 // exp2_nonpositive on 16 lanes: the same split and polynomial.
 inline __m512 exp2_nonpositive_v(__m512 x) {
@@ -194,6 +261,32 @@ inline __m512 exp2_nonpositive_v(__m512 x) {
                             _mm512_setzero_ps());
 }
 
+// soft_cap on 16 lanes (cap > 0, in the scores' units): the same split at |y| = 1/16.
+inline __m512 soft_cap_v(__m512 s, float cap) {
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 y = _mm512_div_ps(_mm512_abs_ps(s), _mm512_set1_ps(cap));
+  const __m512 e = exp2_nonpositive_v(_mm512_mul_ps(y, _mm512_set1_ps(-2.f * kLog2e)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 ratio = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 y2 = _mm512_mul_ps(y, y);
+  __m512 series = _mm512_fmadd_ps(y2, _mm512_set1_ps(-17.f / 315), _mm512_set1_ps(2.f / 15));
+  series = _mm512_fmadd_ps(y2, series, _mm512_set1_ps(-1.f / 3));
+  series = _mm512_fmadd_ps(y2, series, one);
+  series = _mm512_mul_ps(y, series);
+  const __m512 t = _mm512_mask_blend_ps(
+      _mm512_cmp_ps_mask(y, _mm512_set1_ps(0.0625f), _CMP_LT_OQ), ratio, series);
+  const __m512 capped = _mm512_mul_ps(t, _mm512_set1_ps(cap));  // |s| capped, NaN kept
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(s), sign_bit);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(capped), sign));
+}
+
+// Scores of 16 lanes as the softmax takes them: scaled (to base 2), then capped if the
+// layer caps them.
+inline __m512 scaled_scores(const Problem& p, __m512 dots) {
+  const __m512 scores = _mm512_mul_ps(dots, _mm512_set1_ps(p.scale_log2));
+  return p.cap_log2 > 0.f ? soft_cap_v(scores, p.cap_log2) : scores;
+}
+
 // Floats of scratch one row block needs, for the largest head size.
 constexpr int64_t bf16_scratch_floats(int64_t head) {
   return head / 2 * kTileRows      // packed query: [head / 2][rows] bf16 pairs
@@ -201,13 +294,14 @@ constexpr int64_t bf16_scratch_floats(int64_t head) {
          + KEYS * kTileRows        // scores and probabilities: [KEYS][rows]
          + KEYS / 2 * kTileRows    // probabilities packed in pairs of keys: [KEYS / 2][rows]
          + KEYS / 2 * head         // values packed in pairs of keys: [KEYS / 2][head]
-         + 4 * kTileRows;          // row max, row sum, position, alpha
+         + 4 * kTileRows           // row max, row sum, position, alpha
+         + KEYS * head;            // an FP8 cache's key and value tiles, widened
 }
 
-template <int HEAD, int RV>
+template <int HEAD, int RV, typename C>
 void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int nrows,
-                      const c10::BFloat16* query, const c10::BFloat16* k_cache,
-                      const c10::BFloat16* v_cache, c10::BFloat16* out,
+                      const c10::BFloat16* query, const C* k_cache,
+                      const C* v_cache, c10::BFloat16* out,
                       const int32_t* query_start_loc, const int32_t* seq_lens,
                       const int32_t* block_table, float* scratch) {
   constexpr int W = HEAD / 2;  // 32-bit words (pairs of bf16) of a head's row
@@ -228,6 +322,8 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
   float* __restrict__ row_sum = row_max + R;
   float* __restrict__ pos = row_sum + R;  // each row's position, as a float (exact < 2^24)
   float* __restrict__ alpha = pos + R;
+  uint32_t* __restrict__ kwide = reinterpret_cast<uint32_t*>(alpha + R);  // [W][KEYS]
+  uint32_t* __restrict__ vwide = kwide + W * KEYS;                        // [KEYS/2][HEAD]
 
   // Row r of the block is row row_lo + r of the head: token (row_lo + r) / group, query
   // head h * group + (row_lo + r) % group. Lanes past nrows get a zero query.
@@ -250,7 +346,6 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
   const int64_t key_begin =
       p.window > 0 ? std::max<int64_t>(0, block_first_pos - p.window + 1) : 0;
   const int32_t* table = block_table + item.seq * p.bt_row;
-  const float scale = p.scale_log2;
   // vpermw indices that interleave two 16-element halves: (a0, b0, a1, b1, ...).
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -263,8 +358,8 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
                              (p.window == 0 || block_start > last_pos - p.window);
     // Keys past the sequence's end (stale data, even NaN) are masked; their values read as
     // zeros (partial_values).
-    const uint32_t* kw = reinterpret_cast<const uint32_t*>(cache_tile(p, k_cache, table, block_start, h));
-    const uint32_t* vp = reinterpret_cast<const uint32_t*>(cache_tile(p, v_cache, table, block_start, h));
+    const uint32_t* kw = tile_words<HEAD>(cache_tile(p, k_cache, table, block_start, h), kwide);
+    const uint32_t* vp = tile_words<HEAD>(cache_tile(p, v_cache, table, block_start, h), vwide);
     if (n < KEYS) vp = partial_values<HEAD>(vp, n, vz);
 
     // Scores: s[t][r] = q_r . k_t, kKeyGroup keys by RV row vectors in registers.
@@ -287,7 +382,7 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
       }
       for (int j = 0; j < kKeyGroup; ++j)
         for (int v = 0; v < RV; ++v)
-          _mm512_storeu_ps(s + (t0 + j) * R + v * kLanes, _mm512_mul_ps(sc[j][v], _mm512_set1_ps(scale)));
+          _mm512_storeu_ps(s + (t0 + j) * R + v * kLanes, scaled_scores(p, sc[j][v]));
     }
     // Online softmax, lane-wise: each row's max over the chunk (keys it may not see are
     // -inf), the rescale of what it had, and the chunk's probabilities in place of scores.
@@ -370,9 +465,9 @@ void attend_rows_bf16(const Problem& p, const Item& item, int h, int row_lo, int
 }
 
 // A bf16 tile's rows, one KV head and up to kTileRows rows at a time.
-template <int HEAD>
+template <int HEAD, typename C>
 void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::BFloat16* query,
-                      const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                      const C* k_cache, const C* v_cache,
                       c10::BFloat16* out, const int32_t* qsl, const int32_t* sl,
                       const int32_t* bt, float* scratch) {
   for (int h = item.head_lo; h < item.head_hi; ++h) {
@@ -381,7 +476,7 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
       const int vectors = (n + kLanes - 1) / kLanes;
 #define TIDEGATE_RV(V)                                                                   \
   case V:                                                                               \
-    attend_rows_bf16<HEAD, V>(p, item, h, lo, n, query, k_cache, v_cache, out, qsl, sl, \
+    attend_rows_bf16<HEAD, V, C>(p, item, h, lo, n, query, k_cache, v_cache, out, qsl, sl, \
                               bt, scratch);                                             \
     break;
       switch (vectors) {
@@ -395,6 +490,8 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
   }
 }
 
+constexpr int kSegmentPairs = 16;  // 512 keys; their scores take 8 KB of stack for 4 rows
+
 // Decodes: tiles of fewer than kBf16MinRows rows per KV head (the GQA group times the
 // tile's tokens). Each KV head's keys and values are read straight from the cache, whose
 // layout is what vdpbf16ps takes: keys as bf16-pair words with 16 keys in a vector, against
@@ -406,7 +503,6 @@ void attend_item_bf16(const Problem& p, const Item& item, int rows, const c10::B
 // prefetched per step. Decodes of 16 sequences of 600 tokens over 12 layers' caches (bound
 // by DRAM, as the engine's are) took 0.59 ms a layer against 0.70 with one pair's keys,
 // softmax and values in turn and the next pair prefetched at once (cpu_attention.py).
-constexpr int kSegmentPairs = 16;  // 512 keys; their scores take 8 KB of stack for 4 rows
 struct FewRows {
   int64_t h;                          // KV head
   int64_t key_begin, key_end;         // keys [key_begin, key_end) of the sequence
@@ -417,9 +513,10 @@ struct FewRows {
   float pos[kLanes];                  // each row's position
 };
 
-// Floats of scratch a few-row tile needs.
-constexpr int64_t bf16_few_rows_scratch_floats(int64_t head) {
-  return KEYS / 2 * head;  // a partial tile's values, [KEYS / 2][head] words
+// Floats of scratch a few-row tile needs: a partial tile's values, [KEYS / 2][head] words,
+// and for an FP8 cache a segment's tiles widened to bf16 (four per pair).
+constexpr int64_t bf16_few_rows_scratch_floats(int64_t head, bool fp8) {
+  return KEYS / 2 * head + (fp8 ? kSegmentPairs * 2 * KEYS * head : 0);
 }
 
 const __m512 kLaneOffsets =
@@ -469,16 +566,22 @@ struct PairTiles {
   const char *nk0, *nk1;  // the next pair's key tiles, to prefetch
   bool second;
 };
-template <int HEAD>
-inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const c10::BFloat16* k_cache,
-                            const c10::BFloat16* v_cache, int64_t base, uint32_t* vz) {
+// `wide`: for an FP8 cache, room for four tiles widened to bf16 (the pair's keys, then its
+// values).
+template <int HEAD, typename C>
+inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const C* k_cache,
+                            const C* v_cache, int64_t base, uint32_t* vz, uint32_t* wide) {
+  constexpr int kTileWords = KEYS * HEAD / 2;
   PairTiles t{};
-  const auto words = [](const c10::BFloat16* x) { return reinterpret_cast<const uint32_t*>(x); };
   t.second = base + KEYS < f.key_end;
-  t.k0 = words(cache_tile(p, k_cache, f.table, base, f.h));
-  t.v0 = words(cache_tile(p, v_cache, f.table, base, f.h));
-  t.k1 = t.second ? words(cache_tile(p, k_cache, f.table, base + KEYS, f.h)) : t.k0;
-  t.v1 = t.second ? words(cache_tile(p, v_cache, f.table, base + KEYS, f.h)) : t.v0;
+  t.k0 = tile_words<HEAD>(cache_tile(p, k_cache, f.table, base, f.h), wide);
+  t.v0 = tile_words<HEAD>(cache_tile(p, v_cache, f.table, base, f.h), wide + 2 * kTileWords);
+  t.k1 = t.second
+             ? tile_words<HEAD>(cache_tile(p, k_cache, f.table, base + KEYS, f.h), wide + kTileWords)
+             : t.k0;
+  t.v1 = t.second ? tile_words<HEAD>(cache_tile(p, v_cache, f.table, base + KEYS, f.h),
+                                     wide + 3 * kTileWords)
+                  : t.v0;
   const int64_t n = f.key_end - base;
   if (n < KEYS) t.v1 = t.v0 = partial_values<HEAD>(t.v0, static_cast<int>(n), vz);
   else if (t.second && n < 2 * KEYS) t.v1 = partial_values<HEAD>(t.v1, static_cast<int>(n - KEYS), vz);
@@ -498,9 +601,10 @@ inline bool pair_all_visible(const Problem& p, const FewRows& f, int64_t base) {
 
 // Rows r0..r0+R of a few-row tile on vdpbf16ps: keys in the lanes (16 scores per vector),
 // each vector of K or V loaded once for the R rows, accumulators in registers throughout.
-template <int HEAD, int R>
-void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFloat16* k_cache,
-                     const c10::BFloat16* v_cache, uint32_t* vz) {
+// `wide` (an FP8 cache only): room for a segment's tiles widened to bf16, four per pair.
+template <int HEAD, int R, typename C>
+void few_rows_vector(const Problem& p, const FewRows& f, int r0, const C* k_cache,
+                     const C* v_cache, uint32_t* vz, uint32_t* wide) {
   constexpr int W = HEAD / 2;
   constexpr int DV = HEAD / kLanes;
   const uint32_t* q[R];
@@ -513,7 +617,6 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
     row_max[r] = kNegInf;
     row_sum[r] = 0.f;
   }
-  const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const int64_t first = f.key_begin / KEYS * KEYS;
   for (int64_t seg = first; seg < f.key_end; seg += 2 * KEYS * kSegmentPairs) {
     PairTiles t[kSegmentPairs];
@@ -521,7 +624,9 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
     int pairs = 0;
     for (int64_t base = seg; pairs < kSegmentPairs && base < f.key_end;
          base += 2 * KEYS, ++pairs) {
-      const PairTiles& tp = t[pairs] = pair_tiles<HEAD>(p, f, k_cache, v_cache, base, vz);
+      uint32_t* pair_wide = wide + (std::is_same_v<C, Fp8> ? pairs * 2 * KEYS * HEAD : 0);
+      const PairTiles& tp = t[pairs] =
+          pair_tiles<HEAD, C>(p, f, k_cache, v_cache, base, vz, pair_wide);
       __m512 a0[R], a1[R];
       for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
       const char* vp0 = reinterpret_cast<const char*>(tp.v0);
@@ -545,8 +650,8 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
       }
       const bool all_visible = pair_all_visible(p, f, base);
       for (int r = 0; r < R; ++r) {
-        s0[pairs][r] = _mm512_mul_ps(a0[r], scale);
-        s1[pairs][r] = _mm512_mul_ps(a1[r], scale);
+        s0[pairs][r] = scaled_scores(p, a0[r]);
+        s1[pairs][r] = scaled_scores(p, a1[r]);
         if (!all_visible) mask_pair(p, s0[pairs][r], s1[pairs][r], base, f.pos[r0 + r]);
       }
     }
@@ -579,10 +684,10 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const c10::BFlo
   }
 }
 
-template <int HEAD>
+template <int HEAD, typename C>
 void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
-                          const c10::BFloat16* query, const c10::BFloat16* k_cache,
-                          const c10::BFloat16* v_cache, c10::BFloat16* out,
+                          const c10::BFloat16* query, const C* k_cache,
+                          const C* v_cache, c10::BFloat16* out,
                           const int32_t* query_start_loc, const int32_t* seq_lens,
                           const int32_t* block_table, float* scratch) {
   const int64_t start = query_start_loc[item.seq];
@@ -606,21 +711,23 @@ void attend_few_rows_bf16(const Problem& p, const Item& item, int rows,
       f.pos[r] = static_cast<float>(f.first_pos + r / group);
     }
     uint32_t* vz = reinterpret_cast<uint32_t*>(scratch);
+    uint32_t* wide = vz + KEYS / 2 * HEAD;
     for (int r0 = 0; r0 < rows; r0 += 4) {
       switch (std::min(4, rows - r0)) {
-        case 1: few_rows_vector<HEAD, 1>(p, f, r0, k_cache, v_cache, vz); break;
-        case 2: few_rows_vector<HEAD, 2>(p, f, r0, k_cache, v_cache, vz); break;
-        case 3: few_rows_vector<HEAD, 3>(p, f, r0, k_cache, v_cache, vz); break;
-        default: few_rows_vector<HEAD, 4>(p, f, r0, k_cache, v_cache, vz); break;
+        case 1: few_rows_vector<HEAD, 1, C>(p, f, r0, k_cache, v_cache, vz, wide); break;
+        case 2: few_rows_vector<HEAD, 2, C>(p, f, r0, k_cache, v_cache, vz, wide); break;
+        case 3: few_rows_vector<HEAD, 3, C>(p, f, r0, k_cache, v_cache, vz, wide); break;
+        default: few_rows_vector<HEAD, 4, C>(p, f, r0, k_cache, v_cache, vz, wide); break;
       }
     }
   }
 }
 #endif  // TIDEGATE_BF16_TILES
 
-template <typename T, int HEAD>
-void attend_item(const Problem& p, const Item& item, const T* query, const T* k_cache,
-                 const T* v_cache, T* out, const int32_t* query_start_loc,
+// T: the query's and output's dtype; C: the cache's (T, or Fp8).
+template <typename T, typename C, int HEAD>
+void attend_item(const Problem& p, const Item& item, const T* query, const C* k_cache,
+                 const C* v_cache, T* out, const int32_t* query_start_loc,
                  const int32_t* seq_lens, const int32_t* block_table, float* scratch) {
   const int64_t start = query_start_loc[item.seq];
   const int64_t query_len = query_start_loc[item.seq + 1] - start;
@@ -633,13 +740,14 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
   const int rows = tile * group;
   const int all_rows = rows * kv_heads;
 #ifdef TIDEGATE_BF16_TILES
-  if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD % 16 == 0) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> &&
+                (std::is_same_v<C, T> || std::is_same_v<C, Fp8>) && HEAD % 16 == 0) {
     if (rows >= kBf16MinRows) {
-      return attend_item_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
-                                    query_start_loc, seq_lens, block_table, scratch);
+      return attend_item_bf16<HEAD, C>(p, item, rows, query, k_cache, v_cache, out,
+                                       query_start_loc, seq_lens, block_table, scratch);
     }
-    return attend_few_rows_bf16<HEAD>(p, item, rows, query, k_cache, v_cache, out,
-                                      query_start_loc, seq_lens, block_table, scratch);
+    return attend_few_rows_bf16<HEAD, C>(p, item, rows, query, k_cache, v_cache, out,
+                                         query_start_loc, seq_lens, block_table, scratch);
   }
 #endif
 
@@ -687,8 +795,8 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
     const bool all_visible = n == KEYS && block_start + KEYS - 1 <= first_pos &&
                              (p.window == 0 || block_start > last_pos - p.window);
     for (int h = item.head_lo; h < item.head_hi; ++h) {
-      const T* ktile = cache_tile(p, k_cache, table, block_start, h);
-      const T* vtile = cache_tile(p, v_cache, table, block_start, h);
+      const C* ktile = cache_tile(p, k_cache, table, block_start, h);
+      const C* vtile = cache_tile(p, v_cache, table, block_start, h);
       for (int t = 0; t < n; ++t) {
         for (int d = 0; d < HEAD; ++d) kf[t * HEAD + d] = to_float(ktile[k_offset(t, d)]);
         for (int d = 0; d < HEAD; ++d) vb[t * HEAD + d] = to_float(vtile[v_offset(t, d, HEAD)]);
@@ -743,6 +851,11 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
           const int r = r0 + i;
           const int row = h * rows + r;
           float* sr = sc[i];
+          if (p.cap_log2 > 0.f) {
+            const float cap = p.cap_log2;
+#pragma omp simd
+            for (int t = 0; t < KEYS; ++t) sr[t] = soft_cap(sr[t], cap);
+          }
           if (!all_visible) {
             const int64_t pos = first_pos + r / group;
             const int64_t lo = p.window > 0 ? pos - p.window : -1;  // keys must be > lo
@@ -810,14 +923,14 @@ void attend_item(const Problem& p, const Item& item, const T* query, const T* k_
   }
 }
 
-template <typename T, int HEAD>
+template <typename T, typename C, int HEAD>
 void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& query,
          const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
          const at::Tensor& block_table) {
   const T* q = query.const_data_ptr<T>();
-  const T* k = k_cache.const_data_ptr<T>();
-  const T* v = v_cache.const_data_ptr<T>();
+  const C* k = static_cast<const C*>(k_cache.const_data_ptr());
+  const C* v = static_cast<const C*>(v_cache.const_data_ptr());
   T* o = out.mutable_data_ptr<T>();
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
@@ -827,7 +940,7 @@ void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& que
       2 * max_rows * HEAD + 3 * HEAD * KEYS + max_rows * KEYS + 2 * max_rows;
 #ifdef TIDEGATE_BF16_TILES
   scratch_floats = std::max({scratch_floats, bf16_scratch_floats(HEAD),
-                             bf16_few_rows_scratch_floats(HEAD)});
+                             bf16_few_rows_scratch_floats(HEAD, std::is_same_v<C, Fp8>)});
 #endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -838,19 +951,19 @@ void run(const Problem& p, const std::vector<Item>& items, const at::Tensor& que
     std::vector<float> scratch(scratch_floats);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        attend_item<T, HEAD>(p, items[i], q, k, v, o, qsl, sl, bt, scratch.data());
+        attend_item<T, C, HEAD>(p, items[i], q, k, v, o, qsl, sl, bt, scratch.data());
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head(int64_t head_dim, const Problem& p,
                    const std::vector<Item>& items, const at::Tensor& query,
                    const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
                    const at::Tensor& qsl, const at::Tensor& sl, const at::Tensor& bt) {
 #define TIDEGATE_HEAD(H) \
-  case H: return run<T, H>(p, items, query, k_cache, v_cache, out, qsl, sl, bt);
+  case H: return run<T, C, H>(p, items, query, k_cache, v_cache, out, qsl, sl, bt);
   switch (head_dim) {
     TIDEGATE_HEAD(32)
     TIDEGATE_HEAD(64)
@@ -864,10 +977,24 @@ void dispatch_head(int64_t head_dim, const Problem& p,
 #undef TIDEGATE_HEAD
 }
 
+// Rows of a call, by the query's dtype and whether the cache is FP8.
+template <typename T>
+void dispatch_cache(bool fp8_cache, int64_t head_dim, const Problem& p,
+                    const std::vector<Item>& items, const at::Tensor& query,
+                    const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                    const at::Tensor& qsl, const at::Tensor& sl, const at::Tensor& bt) {
+  if (fp8_cache) return dispatch_head<T, Fp8>(head_dim, p, items, query, k_cache, v_cache, out, qsl, sl, bt);
+  dispatch_head<T, T>(head_dim, p, items, query, k_cache, v_cache, out, qsl, sl, bt);
+}
+
+inline bool is_fp8_cache(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                     int64_t sliding_window, int64_t max_query_len) {
+                     int64_t sliding_window, double logits_soft_cap, int64_t max_query_len) {
   TORCH_CHECK(query.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "paged_attention: query and out must be [tokens, heads, head_dim]");
@@ -875,10 +1002,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: caches must be contiguous [blocks, kv_heads, block_size, "
               "head_dim] (the packed layout)");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type() &&
+  const bool fp8_cache = is_fp8_cache(k_cache);
+  TORCH_CHECK((k_cache.scalar_type() == query.scalar_type() || fp8_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
-              "paged_attention: query, caches and out must share one dtype");
+              "paged_attention: query and out must share one dtype, and the caches that one "
+              "or float8_e4m3fn");
+  TORCH_CHECK(logits_soft_cap >= 0, "paged_attention: a negative soft cap");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
               "paged_attention: head_dim must be contiguous");
   for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table}) {
@@ -915,6 +1045,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   p.block_size = k_cache.size(2);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   p.window = sliding_window;
+  p.cap_log2 = static_cast<float>(logits_soft_cap) * kLog2e;
 
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
@@ -960,14 +1091,14 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
   switch (query.scalar_type()) {
     case at::kFloat:
-      return dispatch_head<float>(head_dim, p, items, query, k_cache, v_cache, out,
-                                  query_start_loc, seq_lens, block_table);
+      return dispatch_cache<float>(fp8_cache, head_dim, p, items, query, k_cache, v_cache, out,
+                                   query_start_loc, seq_lens, block_table);
     case at::kBFloat16:
-      return dispatch_head<c10::BFloat16>(head_dim, p, items, query, k_cache,
-                                          v_cache, out, query_start_loc, seq_lens, block_table);
+      return dispatch_cache<c10::BFloat16>(fp8_cache, head_dim, p, items, query, k_cache,
+                                           v_cache, out, query_start_loc, seq_lens, block_table);
     case at::kHalf:
-      return dispatch_head<c10::Half>(head_dim, p, items, query, k_cache, v_cache,
-                                      out, query_start_loc, seq_lens, block_table);
+      return dispatch_cache<c10::Half>(fp8_cache, head_dim, p, items, query, k_cache, v_cache,
+                                       out, query_start_loc, seq_lens, block_table);
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
 }
@@ -1023,9 +1154,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "reshape_and_cache: int64 slots");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
               "reshape_and_cache: key and value must be [tokens, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == key.scalar_type() &&
-                  v_cache.scalar_type() == key.scalar_type(),
-              "reshape_and_cache: caches and keys must share one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == key.scalar_type() || is_fp8_cache(k_cache)) &&
+                  value.scalar_type() == key.scalar_type(),
+              "reshape_and_cache: caches must hold the keys' dtype or float8_e4m3fn");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
                   key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3),
               "reshape_and_cache: key rows do not fit the [blocks, kv_heads, block_size, "
@@ -1038,7 +1170,17 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
               "reshape_and_cache: contiguous rows only");
   const int64_t num_tokens = std::min<int64_t>(slot_mapping.size(0), key.size(0));
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  if (is_fp8_cache(k_cache) && !is_fp8_cache(key)) {
+    // As every backend stores FP8 (backend.to_cache_dtype): clipped to the largest finite
+    // value (the e4m3fn cast turns what overflows into NaN), then rounded to nearest even.
+    const auto as_cache = [&](const at::Tensor& x) {
+      return x.narrow(0, 0, num_tokens).clamp(-448, 448).to(at::kFloat8_e4m3fn);
+    };
+    return store_rows<uint8_t>(as_cache(key), as_cache(value), k_cache, v_cache, slots,
+                               num_tokens);
+  }
   switch (key.element_size()) {
+    case 1: return store_rows<uint8_t>(key, value, k_cache, v_cache, slots, num_tokens);
     case 2: return store_rows<uint16_t>(key, value, k_cache, v_cache, slots, num_tokens);
     case 4: return store_rows<uint32_t>(key, value, k_cache, v_cache, slots, num_tokens);
     default: TORCH_CHECK(false, "reshape_and_cache: unsupported dtype ", key.scalar_type());
@@ -1098,6 +1240,7 @@ std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at
   at::Tensor keys = at::empty({k_cache.size(1), seq_len, k_cache.size(3)}, k_cache.options());
   at::Tensor values = at::empty_like(keys);
   switch (k_cache.element_size()) {
+    case 1: gather_tiles<uint8_t, uint16_t>(k_cache, v_cache, blocks, seq_len, keys, values); break;
     case 2: gather_tiles<uint16_t, uint32_t>(k_cache, v_cache, blocks, seq_len, keys, values); break;
     case 4: gather_tiles<uint32_t, uint64_t>(k_cache, v_cache, blocks, seq_len, keys, values); break;
     default: TORCH_CHECK(false, "gather_kv: unsupported dtype ", k_cache.scalar_type());
@@ -1182,20 +1325,33 @@ void flash_chunk_bf16(const at::Tensor& query, at::Tensor& out, int64_t start,
   // [kv_heads][padded / 2][dim][2] (both bf16 pairs in 32-bit words).
   at::Tensor kbuf = at::empty({kv_heads, words, padded}, at::kInt);
   at::Tensor vbuf = at::empty({kv_heads, padded / 2, dim}, at::kInt);
+  // An FP8 cache's tiles are widened to bf16 (widen_fp8) on their way into the buffers.
+  const bool fp8 = is_fp8_cache(k_cache);
   const uint32_t* kc = reinterpret_cast<const uint32_t*>(k_cache.const_data_ptr());
   const uint32_t* vc = reinterpret_cast<const uint32_t*>(v_cache.const_data_ptr());
+  const uint8_t* kc8 = static_cast<const uint8_t*>(k_cache.const_data_ptr());
+  const uint8_t* vc8 = static_cast<const uint8_t*>(v_cache.const_data_ptr());
   uint32_t* kb = reinterpret_cast<uint32_t*>(kbuf.mutable_data_ptr());
   uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf.mutable_data_ptr());
   at::parallel_for(0, kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> wide(fp8 ? KEYS * dim : 0);  // a key tile's words, then a value's
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, t = item % tiles, pos = t * KEYS;
-      const int64_t tile =  // in 32-bit words, a bf16 pair each
-          packed_tile(table[pos / block_size], h, kv_heads, block_size, pos % block_size, dim) / 2;
+      const int64_t element =
+          packed_tile(table[pos / block_size], h, kv_heads, block_size, pos % block_size, dim);
+      const uint32_t* ktile = kc + element / 2;  // in 32-bit words, a bf16 pair each
+      const uint32_t* vtile = vc + element / 2;
+      if (fp8) {
+        widen_fp8(kc8 + element, KEYS * dim, wide.data());
+        widen_fp8(vc8 + element, KEYS * dim, wide.data() + KEYS * dim / 2);
+        ktile = wide.data();
+        vtile = wide.data() + KEYS * dim / 2;
+      }
       for (int64_t w = 0; w < words; ++w) {
-        std::memcpy(kb + (h * words + w) * padded + pos, kc + tile + w * KEYS, KEYS * 4);
+        std::memcpy(kb + (h * words + w) * padded + pos, ktile + w * KEYS, KEYS * 4);
       }
       uint32_t* vd = vb + (h * padded / 2 + pos / 2) * dim;
-      std::memcpy(vd, vc + tile, KEYS / 2 * dim * 4);
+      std::memcpy(vd, vtile, KEYS / 2 * dim * 4);
       const int n = static_cast<int>(std::min<int64_t>(KEYS, seq_len - pos));
       if (n < KEYS) {  // keys past the end: stale, even NaN, and 0 * NaN poisons P*V
         for (int u = 0; u < KEYS / 2; ++u) {
@@ -1291,8 +1447,8 @@ void flash_chunk_bf16(const at::Tensor& query, at::Tensor& out, int64_t start,
 
 #endif  // TIDEGATE_BF16_TILES
 
-// Each sequence of more than max_query_len new tokens: flash_chunk_bf16 for bf16 where
-// oneDNN's brgemm runs (AMX), else SDPA over its context gathered from the tiles into the
+// Each sequence of more than max_query_len new tokens: flash_chunk_bf16 for bf16 queries (on a
+// bf16 or FP8 cache) where oneDNN's brgemm runs (AMX), else SDPA over its context gathered from the tiles into the
 // standard order (heads first).
 void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& query_start_loc,
@@ -1306,7 +1462,9 @@ void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tens
     if (query_len <= max_query_len) continue;
 #ifdef TIDEGATE_BF16_TILES
     static const bool brgemm_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
-    if (brgemm_bf16 && query.scalar_type() == at::kBFloat16 && query.size(2) % 2 == 0) {
+    if (brgemm_bf16 && query.scalar_type() == at::kBFloat16 &&
+        (k_cache.scalar_type() == at::kBFloat16 || is_fp8_cache(k_cache)) &&
+        query.size(2) % 2 == 0) {
       flash_chunk_bf16(query, out, start, query_len, seq_len, k_cache, v_cache,
                        block_table.const_data_ptr<int32_t>() + i * block_table.stride(0),
                        scale);
@@ -1315,7 +1473,10 @@ void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tens
 #endif
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     const at::Tensor blocks = block_table[i].narrow(0, 0, num_blocks).to(at::kLong);
-    auto [keys, values] = gather_kv(k_cache, v_cache, blocks, seq_len);
+    auto [gathered_keys, gathered_values] = gather_kv(k_cache, v_cache, blocks, seq_len);
+    // An FP8 cache's context widened to the query's dtype (a no-op otherwise).
+    const at::Tensor keys = gathered_keys.to(query.scalar_type());
+    const at::Tensor values = gathered_values.to(query.scalar_type());
     // [1, heads, tokens, head_dim]: SDPA's fused CPU kernel takes only 4-D inputs.
     const at::Tensor q = query.narrow(0, start, query_len).transpose(0, 1).unsqueeze(0);
     const int64_t context_len = seq_len - query_len;
@@ -1344,14 +1505,14 @@ void attend_long_chunks(at::Tensor& out, const at::Tensor& query, const at::Tens
 at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   const at::Tensor& block_table, int64_t num_tokens, double scale,
-                  int64_t sliding_window, int64_t max_query_len) {
-  // attend_long_chunks has no window: a windowed layer's chunks all go to the kernel.
-  if (sliding_window > 0) max_query_len = 0;
+                  int64_t sliding_window, double logits_soft_cap, int64_t max_query_len) {
+  // attend_long_chunks has no window and no cap: such a layer's chunks all go to the kernel.
+  if (sliding_window > 0 || logits_soft_cap > 0) max_query_len = 0;
   at::Tensor out = at::empty_like(query);
   num_tokens = std::clamp<int64_t>(num_tokens, 0, out.size(0));
   if (out.size(0) > num_tokens) out.narrow(0, num_tokens, out.size(0) - num_tokens).zero_();
   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, max_query_len);
+                  sliding_window, logits_soft_cap, max_query_len);
   if (max_query_len > 0) {
     attend_long_chunks(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                        scale, max_query_len);
@@ -1361,7 +1522,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& k_cache, const at::
 
 at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key,
                            const at::Tensor& value, int64_t layer, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, double logits_soft_cap) {
   const StepState& state = step_state();
   TORCH_CHECK(state.active, "layer_attention: called outside a step (begin_step)");
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(state.k_caches.size()),
@@ -1371,7 +1532,7 @@ at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key,
   reshape_and_cache(key, value, k_cache, v_cache, state.slot_mapping);
   return attend(query, k_cache, v_cache, state.query_start_loc, state.seq_lens,
                 state.block_table, state.slot_mapping.size(0), scale, sliding_window,
-                state.max_query_len);
+                logits_soft_cap, state.max_query_len);
 }
 
 }  // namespace
@@ -1380,7 +1541,7 @@ TORCH_LIBRARY(tidegate_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale, "
-      "int sliding_window, int max_query_len) -> ()");
+      "int sliding_window, float logits_soft_cap, int max_query_len) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
@@ -1392,10 +1553,10 @@ TORCH_LIBRARY(tidegate_cpu, m) {
   m.def(
       "attend(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_table, int num_tokens, float scale, int sliding_window, "
-      "int max_query_len) -> Tensor");
+      "float logits_soft_cap, int max_query_len) -> Tensor");
   m.def(
       "layer_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
-      "int sliding_window) -> Tensor");
+      "int sliding_window, float logits_soft_cap=0.0) -> Tensor");
   // No tensor arguments to dispatch on: plain functions.
   m.impl("end_step", &end_step);
 }

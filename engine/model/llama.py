@@ -84,7 +84,9 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.layer_op is not None:
-            out = self.layer_op(q, k, v, self.layer, self.scale, self.sliding_window)
+            out = self.layer_op(
+                q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap
+            )
         else:
             out = paged_attention(
                 q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap
@@ -223,10 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config)
-        # The layer ops have no logit cap: a capped model's attention goes through the
-        # backend's attend (and get_attention_backend gives such a model no backend that
-        # lacks one).
-        layer_op = None if config.attn_logit_softcapping else layer_attention_op(backend)
+        layer_op = layer_attention_op(backend)
         for module in self.model.modules():
             if isinstance(module, LlamaAttention):
                 module.layer_op = layer_op

@@ -76,7 +76,6 @@ class ModelRunner:
             head_dim=model_config.head_dim,
             block_size=args.block_size,
             dtype=self.dtype,
-            logits_soft_cap=model_config.attn_logit_softcapping is not None,
             kv_cache_dtype=self.kv_cache_dtype,
         )
         self.model, _ = load_model(

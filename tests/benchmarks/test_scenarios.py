@@ -438,11 +438,14 @@ def test_compile_times_eager_level_1_and_unpacked_linears_in_fresh_processes(tmp
 
 
 @pytest.mark.slow
-def test_cpu_attention_times_every_backend_and_checks_the_kernel_against_torch(tmp_path):
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_cpu_attention_times_every_backend_and_checks_the_kernel_against_torch(tmp_path, cache):
     out = tmp_path / "cpu_attention.json"
-    run_script("cpu_attention.py", "--iters", "1", "--repeats", "1", "--out", str(out))
+    flags = ["--iters", "1", "--repeats", "1", "--kv-cache-dtype", cache]
+    run_script("cpu_attention.py", *flags, "--out", str(out))
     result = json.loads(out.read_text())
     assert result["dtype"] == "bfloat16" and len(result["rows"]) == 7
+    assert result["kv_cache_dtype"] == {"auto": "bfloat16", "fp8": "float8_e4m3fn"}[cache]
     for row in result["rows"]:
         assert min(row[f"{name}_ms"] for name in ("torch", "cpu", "kernel", "kernel_sdpa")) > 0
         assert row["max_abs_diff"] < 0.02  # bf16 outputs of the kernel against the torch backend
@@ -564,3 +567,23 @@ def test_sliding_window_times_windowed_layers_against_full_ones(tmp_path):
         for name in ("windowed", "full"):
             assert row[name]["decode_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0
         assert row["decode_speedup"] > 0 and row["prefill_speedup"] > 0
+
+
+@pytest.mark.slow
+def test_cpu_kernel_paths_time_capped_scores_and_an_fp8_cache_on_both_backends(tmp_path):
+    out = tmp_path / "cpu_kernel_paths.json"
+    flags = ["--size", "tiny", "--concurrency", "2", "--input-len", "60", "--output-len", "5"]
+    run_script(
+        "cpu_kernel_paths.py", *flags, "--compilation-level", "0", "--repeats", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    record = json.loads(out.read_text())
+    gemma2, fp8 = record["results"]["gemma2"], record["results"]["fp8_kv"]
+    assert "--arch gemma2" in gemma2["model"] and "--arch llama" in fp8["model"]
+    assert set(gemma2["60/2"]) == {"torch", "cpu"}
+    assert set(fp8["60/2"]) == {"torch fp8", "cpu fp8", "cpu model dtype"}
+    for row in (*gemma2["60/2"].values(), *fp8["60/2"].values()):
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_s"] > 0
+    # The same greedy tokens from both backends, on the tiny models' few steps.
+    assert gemma2["60/2"]["cpu"]["same_tokens"] == 1.0
+    assert fp8["60/2"]["cpu fp8"]["same_tokens"] == 1.0

@@ -63,14 +63,15 @@ def paged_batch(
 def poisoned_cache(
     chunks, tables, num_blocks, block_size, head_dim, dtype, device: str = "cpu"
 ) -> torch.Tensor:
-    """Random keys where sequences have tokens, NaN everywhere else: a stray read shows."""
-    cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim).to(dtype)
+    """Random keys where sequences have tokens, NaN everywhere else: a stray read shows.
+    Poisoned in fp32, then rounded to `dtype` (FP8 tensors take no masked writes)."""
+    cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim)
     used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for (context_len, query_len), table in zip(chunks, tables, strict=True):
         for p in range(context_len + query_len):
             used[table[p // block_size], p % block_size] = True
     cache[~used] = float("nan")
-    return cache.to(device)
+    return cache.to(dtype).to(device)
 
 
 def reference_attention(query, k_cache, v_cache, chunks, tables, scale, window=None, cap=None):

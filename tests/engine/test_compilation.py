@@ -50,7 +50,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 # Qwen3-MoE: q/k norms in the graph, and the experts as an opaque op beside attention.
 # Gemma 3: its norms, GeGLU and scaled embedding in the graph, windows in the attention op.
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3", "qwen3_moe"])
+# Gemma 2: each layer's soft cap in the C++ layer op, and the final logits' cap.
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3", "gemma2", "qwen3_moe"])
 def engines(request) -> tuple[LLM, LLM]:
     """(eager, compiled) engines on the same tiny model."""
     model = request.getfixturevalue(f"tiny_{request.param}_dir")

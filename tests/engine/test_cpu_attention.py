@@ -27,6 +27,7 @@ from tests.engine.paged_attention_cases import (
 )
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.attention import TorchAttentionBackend, cpu_attention, get_attention_backend
+from tidegate.engine.attention.backend import to_cache_dtype
 from tidegate.engine.attention.cpu_attention import (
     PACKED_KV_LAYOUT,
     CpuAttentionBackend,
@@ -44,16 +45,28 @@ pytestmark = pytest.mark.skipif(
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kernel_max=0):
+def run_case(
+    chunks,
+    head_dim,
+    block_size,
+    group,
+    dtype,
+    seed,
+    window=None,
+    kernel_max=0,
+    cap=None,
+    cache_dtype=None,
+):
     """The backend on a poisoned paged cache (packed), and the dense reference for it.
 
     kernel_max=0: the kernel takes every sequence, long chunks included. window: the call's
-    sliding window (None: none).
+    sliding window (None: none). cap: its soft cap (None: none). cache_dtype: the caches'
+    dtype when it is not the query's (FP8); the reference reads the same rounded values.
     """
     rng = random.Random(seed)
     torch.manual_seed(seed)
     meta, tables, num_blocks = paged_batch(chunks, block_size, rng)
-    args = (chunks, tables, num_blocks, block_size, head_dim, dtype)
+    args = (chunks, tables, num_blocks, block_size, head_dim, cache_dtype or dtype)
     k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
     num_heads = NUM_KV_HEADS * group
     # q as the model makes it: a strided view of a fused qkv projection.
@@ -61,8 +74,10 @@ def run_case(chunks, head_dim, block_size, group, dtype, seed, window=None, kern
     query = qkv[:, :num_heads]
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(max_kernel_query_len=kernel_max)
-    out = backend.attend(query, *pack_kv(k_cache, v_cache), meta, scale, window or 0)
-    expected = reference_attention(query, k_cache, v_cache, chunks, tables, scale, window)
+    out = backend.attend(query, *pack_kv(k_cache, v_cache), meta, scale, window or 0, cap or 0.0)
+    expected = reference_attention(
+        query, k_cache.float(), v_cache.float(), chunks, tables, scale, window, cap
+    )
     return out, expected
 
 
@@ -255,6 +270,128 @@ def test_one_backend_serves_a_windowed_and_a_full_layer_in_one_step(compiled_pat
     assert not torch.allclose(expected_windowed, expected_full)  # the windows do differ
 
 
+@pytest.mark.parametrize("kernel_max", [0, 8], ids=["kernel", "long-chunk-backend"])
+@pytest.mark.parametrize("window", [None, 37], ids=["causal", "window"])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "group"),
+    [
+        (torch.float32, 64, 4),
+        (torch.float32, 128, 1),
+        (torch.bfloat16, 64, 8),
+        (torch.float16, 80, 2),
+    ],
+    ids=lambda x: str(x).removeprefix("torch."),
+)
+def test_capped_scores_match_dense_reference(dtype, head_dim, group, window, kernel_max):
+    # Gemma 2 caps every scaled score s at C * tanh(s / C). Scores of unit queries and keys
+    # spread over [-4, 4], so a cap of 2 bends most of them; small ones take the series
+    # branch. Long chunks stay with the kernel (the oneDNN and SDPA paths have no cap) even
+    # on a backend that would send them there. Where the CPU has AVX512_BF16, bf16 decodes
+    # (group 8: 8 rows) and tiles of 16 rows or more cap on the vdpbf16ps paths.
+    chunks = [(0, 40), (19, 16), (130, 7), (3, 1), (250, 33), (0, 5), (600, 1), (70, 90)]
+    cap = 2.0
+
+    out, expected = run_case(
+        chunks, head_dim, 16, group, dtype, head_dim + group, window, kernel_max, cap=cap
+    )
+    _, uncapped = run_case(chunks, head_dim, 16, group, dtype, head_dim + group, window)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    assert (expected - uncapped).abs().max() > 0.1  # the cap does change the output
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kernel_max", [0, 8], ids=["kernel", "long-chunk-backend"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "group"), [(64, 16, 4), (80, 32, 1), (128, 16, 8)], ids=str
+)
+def test_an_fp8_cache_matches_dense_attention_over_its_values(
+    head_dim, block_size, group, dtype, kernel_max
+):
+    # --kv-cache-dtype fp8: the kernel widens each FP8 key and value as it reads it, and a
+    # long chunk's context is gathered and widened for SDPA. Against dense attention over
+    # the same FP8 values: as tight as a cache of the query's own dtype.
+    chunks = [*mixed_chunks(random.Random(head_dim), block_size), (40, 70), (0, 130)]
+
+    out, expected = run_case(
+        chunks, head_dim, block_size, group, dtype, 7, kernel_max=kernel_max, cache_dtype=FP8
+    )
+
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kernel_max", [0, 8], ids=["kernel", "long-chunk-backend"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_an_fp8_cache_gives_exactly_the_output_of_its_values_in_the_querys_dtype(dtype, kernel_max):
+    # FP8 values are exact in every wider dtype, so widening as the kernel reads (through a
+    # table, or on AVX512_BF16 32 at a time through fp16) must give bit for bit what the
+    # same kernel gives on a cache that holds them widened already: every FP8 code, the
+    # subnormals and the largest included, in decodes and chunks of both bf16 paths, and in
+    # long chunks (AMX's flash path in bf16, else SDPA over the gathered context).
+    chunks = [(0, 40), (19, 16), (130, 7), (3, 1), (250, 1), (77, 1)]
+    rng = random.Random(11)
+    meta, _, num_blocks = paged_batch(chunks, 16, rng)
+    gen = torch.Generator().manual_seed(11)
+    shape = (num_blocks, 16, NUM_KV_HEADS, 64)
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    codes[codes.bitwise_and(0x7F) == 0x7F] = 0x3C  # no NaN codes: they poison the rows
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    codes.view(-1)[:256][torch.arange(256).bitwise_and(0x7F) == 0x7F] = 0
+    k_fp8 = codes.view(FP8)
+    v_fp8 = codes.flip(0).contiguous().view(FP8)
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * 8, 64, generator=gen).to(dtype) / 16
+    backend = CpuAttentionBackend(max_kernel_query_len=kernel_max)
+
+    got = backend.attend(query, *pack_kv(k_fp8, v_fp8), meta, 0.125)
+    wide = backend.attend(query, *pack_kv(k_fp8.to(dtype), v_fp8.to(dtype)), meta, 0.125)
+
+    assert got.isfinite().all()
+    assert torch.equal(got, wide)
+
+
+def test_an_fp8_cache_with_a_window_and_a_cap_in_the_compiled_layer_op():
+    # Gemma 2 with --kv-cache-dtype fp8 on the compiled path: the C++ layer op writes the
+    # step's keys into the FP8 cache (clipped, rounded) and attends with the layer's window
+    # and cap.
+    block_size, head_dim, group, window, cap = 16, 64, 2, 24, 3.0
+    chunks = [(70, 1), (5, 1), (40, 30), (0, 100), (window - 1, 1), (100, 17)]
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    meta, tables, num_blocks = paged_batch(chunks, block_size, rng)
+    args = (chunks, tables, num_blocks, block_size, head_dim, FP8)
+    k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
+    new = [(table, c, q) for table, (c, q) in zip(tables, chunks, strict=True)]
+    slots = [
+        t[p // block_size] * block_size + p % block_size for t, c, q in new for p in range(c, c + q)
+    ]
+    key = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim) * 2
+    value = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim)
+    key[0, 0, :3] = torch.tensor([1000.0, -1000.0, 0.3])  # clipped to +-448, rounded
+    query = torch.randn(meta.num_tokens, NUM_KV_HEADS * group, head_dim)
+    scale = head_dim**-0.5
+    # The reference's cache: the new rows written as the torch backend writes FP8.
+    ref_k, ref_v = k_cache.float(), v_cache.float()
+    flat_k, flat_v = ref_k.view(-1, NUM_KV_HEADS, head_dim), ref_v.view(-1, NUM_KV_HEADS, head_dim)
+    flat_k[slots] = to_cache_dtype(key, FP8).float()
+    flat_v[slots] = to_cache_dtype(value, FP8).float()
+    assert flat_k[slots[0], 0, :2].tolist() == [448.0, -448.0]
+    backend = CpuAttentionBackend(max_kernel_query_len=8)
+    packed = pack_kv(k_cache, v_cache)
+
+    with attention_context(backend, [packed], meta):
+        out = backend.layer_op(query, key, value, 0, scale, window, cap)
+
+    torch.testing.assert_close(unpack_kv(*packed)[0].float(), ref_k, equal_nan=True, atol=0, rtol=0)
+    expected = reference_attention(query, ref_k, ref_v, chunks, tables, scale, window, cap)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
 def test_many_query_heads_on_one_kv_head():
     chunks = [(20, 1), (0, 5), (9, 3)]
 
@@ -340,7 +477,7 @@ def test_inconsistent_metadata_is_refused_not_read_out_of_bounds():
         with pytest.raises(RuntimeError, match="inconsistent metadata"):
             torch.ops.tidegate_cpu.paged_attention(
                 query.clone(), query, cache, cache, starts,
-                torch.tensor(seq_lens, dtype=torch.int32), table, 1.0, 0, 0,
+                torch.tensor(seq_lens, dtype=torch.int32), table, 1.0, 0, 0.0, 0,
             )  # fmt: skip
 
 
@@ -353,7 +490,7 @@ def test_a_block_id_outside_the_cache_is_refused():
         table = torch.tensor([[0, bad]], dtype=torch.int32)
         with pytest.raises(RuntimeError, match=f"names block {bad} of a 2-block cache"):
             torch.ops.tidegate_cpu.paged_attention(
-                query.clone(), query, cache, cache, starts, seq_lens, table, 1.0, 0, 0
+                query.clone(), query, cache, cache, starts, seq_lens, table, 1.0, 0, 0.0, 0
             )
 
 

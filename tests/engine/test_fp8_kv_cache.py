@@ -27,6 +27,7 @@ from tests.engine.test_llm_vs_transformers import greedy_of, make_prompts
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.attention import get_attention_backend
 from tidegate.engine.attention.backend import kv_cache_dtype, to_cache_dtype
+from tidegate.engine.attention.cpu_attention import cpu_kernels_available
 from tidegate.engine.core.engine_core import EngineCore
 
 FP8 = torch.float8_e4m3fn
@@ -40,18 +41,19 @@ def through_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def transformers_fp8_kv_greedy(model_dir: Path, prompts) -> list[list[int]]:
+    import sys
+
     from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     def fp8_kv_attention(module, query, key, value, *args, **kwargs):
-        return sdpa_attention_forward(
-            module, query, through_fp8(key), through_fp8(value), *args, **kwargs
-        )
+        # The model's own eager attention (SDPA's has no soft cap: Gemma 2's would be lost).
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, through_fp8(key), through_fp8(value), *args, **kwargs)
 
     AttentionInterface.register("tidegate_fp8_kv", fp8_kv_attention)
-    # SDPA's masks too: a custom attention without its own gets none (no sliding window).
-    AttentionMaskInterface.register("tidegate_fp8_kv", sdpa_mask)
+    # Eager's masks too: a custom attention without its own gets none (no sliding window).
+    AttentionMaskInterface.register("tidegate_fp8_kv", eager_mask)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="tidegate_fp8_kv"
     )
@@ -80,14 +82,10 @@ def test_values_are_clipped_to_fp8s_range_then_rounded():
 
 
 def test_backends_that_read_an_fp8_cache(monkeypatch):
-    auto = get_attention_backend(
-        "auto", CPU, head_dim=64, block_size=16, dtype=torch.float32, kv_cache_dtype=FP8
-    )
-    assert auto.name == "torch"  # the cpu kernel reads its own dtype only
-    with pytest.raises(ValueError, match="'cpu' does not read an FP8 KV cache"):
-        get_attention_backend(
-            "cpu", CPU, head_dim=64, block_size=16, dtype=torch.float32, kv_cache_dtype=FP8
-        )
+    shape = dict(head_dim=64, block_size=16, dtype=torch.float32, kv_cache_dtype=FP8)
+    auto = get_attention_backend("auto", CPU, **shape)
+    assert auto.name == ("cpu" if cpu_kernels_available() else "torch")
+    assert get_attention_backend("torch", CPU, **shape).name == "torch"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device: (8, 0))
     with pytest.raises(ValueError, match=r"compute capability 8\.9 or later"):
         get_attention_backend(
@@ -99,10 +97,19 @@ def test_backends_that_read_an_fp8_cache(monkeypatch):
 
 
 # Gemma 3: sliding-window layers, whose blocks before the window are skipped, and normed keys.
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_an_fp8_cache_gives_the_tokens_of_attention_over_fp8_keys_and_values(arch, request):
+# Gemma 2: capped scores. The C++ kernel (the cpu backend, auto's pick on CPU) widens FP8 as it
+# reads, the torch backend as it gathers.
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [("llama", "torch"), ("gemma3", "torch"), ("llama", "cpu"), ("gemma2", "cpu")],
+)
+def test_an_fp8_cache_gives_the_tokens_of_attention_over_fp8_keys_and_values(
+    arch, backend, request
+):
     """Chunked prompts (a 7-token cap) read their earlier chunks and cached prefixes back
     from the FP8 cache, as decodes do."""
+    if backend == "cpu" and not cpu_kernels_available():
+        pytest.skip("the CPU kernels need x86-64, a C++ compiler and ninja")
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = prompts_for(model_dir)
     with LLM(
@@ -110,11 +117,12 @@ def test_an_fp8_cache_gives_the_tokens_of_attention_over_fp8_keys_and_values(arc
         dtype="float32",
         max_model_len=512,
         kv_cache_dtype="fp8",
+        attention_backend=backend,
         long_prefill_token_threshold=7,
         num_gpu_blocks=512,
     ) as llm:
         runner = llm.engine.executor.worker.runner
-        assert runner.kv_caches[0][0].dtype == FP8 and runner.attn_backend.name == "torch"
+        assert runner.kv_caches[0][0].dtype == FP8 and runner.attn_backend.name == backend
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         stats = llm.stats()
     assert stats["prefix_cache_hits"] > 0

@@ -306,15 +306,3 @@ def test_capped_scores_equal_the_reference(window, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     assert (expected - uncapped).abs().max() > 0.1  # the cap does change the output
-
-
-def test_a_capped_model_gets_no_backend_without_a_cap(caplog):
-    cpu = torch.device("cpu")
-    # auto keeps the reference (the C++ kernel has no cap) and says so; asking for cpu says
-    # why not.
-    assert isinstance(
-        get_attention_backend("auto", cpu, logits_soft_cap=True), TorchAttentionBackend
-    )
-    assert "caps attention logits" in caplog.text
-    with pytest.raises(ValueError, match="does not cap attention logits"):
-        get_attention_backend("cpu", cpu, logits_soft_cap=True)
