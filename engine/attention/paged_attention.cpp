@@ -27,7 +27,9 @@
 // - bf16 on AVX512_BF16, fewer rows (decodes): attend_few_rows_bf16, vdpbf16ps with keys
 //   in the lanes.
 //   Both bf16 paths cap scores with soft_cap_v, the vector form of attend_item's soft_cap,
-//   and read an FP8 cache's tiles widened to bf16 (tile_words) into scratch.
+//   and read an FP8 cache widened to bf16 (widen32): the decode path in registers as it
+//   loads (a pair's last, partial tiles through scratch), the rows path tile by tile into
+//   scratch (tile_words).
 //
 // Ops (namespace tidegate_cpu):
 //   paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -217,22 +219,22 @@ template <int HEAD>
 inline const uint32_t* tile_words(const c10::BFloat16* tile, uint32_t* /*out*/) {
   return reinterpret_cast<const uint32_t*>(tile);
 }
-inline void widen_fp8(const uint8_t* src, int64_t count, uint32_t* out) {
-  const __m512 k256 = _mm512_set1_ps(256.f);
+inline __m512i widen32(const uint8_t* src) {
   const __m512i low7 = _mm512_set1_epi16(0x7f);
-  for (int64_t i = 0; i < count; i += 32) {
-    const __m512i b =
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    const __m512i magnitude = _mm512_and_si512(b, low7);
-    const __m512i half = _mm512_or_si512(
-        _mm512_slli_epi16(_mm512_andnot_si512(low7, b), 8), _mm512_slli_epi16(magnitude, 7));
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), k256);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), k256);
-    __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-    words = _mm512_mask_mov_epi16(words, _mm512_cmpeq_epi16_mask(magnitude, low7),
-                                  _mm512_set1_epi16(0x7fc0));
-    _mm512_storeu_si512(out + i / 2, words);
-  }
+  const __m512 k256 = _mm512_set1_ps(256.f);
+  const __m512i b =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(b, low7);
+  const __m512i half = _mm512_or_si512(
+      _mm512_slli_epi16(_mm512_andnot_si512(low7, b), 8), _mm512_slli_epi16(magnitude, 7));
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(half)), k256);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)), k256);
+  const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  return _mm512_mask_mov_epi16(words, _mm512_cmpeq_epi16_mask(magnitude, low7),
+                               _mm512_set1_epi16(0x7fc0));
+}
+inline void widen_fp8(const uint8_t* src, int64_t count, uint32_t* out) {
+  for (int64_t i = 0; i < count; i += 32) _mm512_storeu_si512(out + i / 2, widen32(src + i));
 }
 template <int HEAD>
 inline const uint32_t* tile_words(const Fp8* tile, uint32_t* out) {
@@ -565,7 +567,21 @@ struct PairTiles {
   const uint32_t *k0, *k1, *v0, *v1;
   const char *nk0, *nk1;  // the next pair's key tiles, to prefetch
   bool second;
+  // An FP8 pair with no partial tile: its tiles' bytes, widened in registers as they are
+  // loaded (words_at) instead of into scratch (k0..v1 unset).
+  bool raw;
+  const uint8_t *rk0, *rk1, *rv0, *rv1;
 };
+
+// 16 words (32 bf16) of a pair's tile from word `word`: loaded, or widened from FP8 bytes.
+template <typename C>
+inline __m512bh words_at(const PairTiles& t, const uint32_t* words, const uint8_t* raw,
+                         int64_t word) {
+  if constexpr (std::is_same_v<C, Fp8>) {
+    if (t.raw) return as_bh(widen32(raw + 2 * word));
+  }
+  return as_bh(_mm512_loadu_si512(words + word));
+}
 // `wide`: for an FP8 cache, room for four tiles widened to bf16 (the pair's keys, then its
 // values).
 template <int HEAD, typename C>
@@ -574,6 +590,25 @@ inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const C* k_cache
   constexpr int kTileWords = KEYS * HEAD / 2;
   PairTiles t{};
   t.second = base + KEYS < f.key_end;
+  const int64_t n = f.key_end - base;
+  // The next pair's key tiles (this pair's when it is the last): prefetched while this
+  // pair computes.
+  const int64_t next = base + 2 * KEYS < f.key_end ? base + 2 * KEYS : base;
+  t.nk0 = reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next, f.h));
+  t.nk1 = next + KEYS < f.key_end
+              ? reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next + KEYS, f.h))
+              : t.nk0;
+  if constexpr (std::is_same_v<C, Fp8>) {
+    if (n >= KEYS && !(t.second && n < 2 * KEYS)) {  // no stale keys to zero
+      const auto bytes = [](const Fp8* x) { return reinterpret_cast<const uint8_t*>(x); };
+      t.raw = true;
+      t.rk0 = bytes(cache_tile(p, k_cache, f.table, base, f.h));
+      t.rv0 = bytes(cache_tile(p, v_cache, f.table, base, f.h));
+      t.rk1 = t.second ? bytes(cache_tile(p, k_cache, f.table, base + KEYS, f.h)) : t.rk0;
+      t.rv1 = t.second ? bytes(cache_tile(p, v_cache, f.table, base + KEYS, f.h)) : t.rv0;
+      return t;
+    }
+  }
   t.k0 = tile_words<HEAD>(cache_tile(p, k_cache, f.table, base, f.h), wide);
   t.v0 = tile_words<HEAD>(cache_tile(p, v_cache, f.table, base, f.h), wide + 2 * kTileWords);
   t.k1 = t.second
@@ -582,16 +617,8 @@ inline PairTiles pair_tiles(const Problem& p, const FewRows& f, const C* k_cache
   t.v1 = t.second ? tile_words<HEAD>(cache_tile(p, v_cache, f.table, base + KEYS, f.h),
                                      wide + 3 * kTileWords)
                   : t.v0;
-  const int64_t n = f.key_end - base;
   if (n < KEYS) t.v1 = t.v0 = partial_values<HEAD>(t.v0, static_cast<int>(n), vz);
   else if (t.second && n < 2 * KEYS) t.v1 = partial_values<HEAD>(t.v1, static_cast<int>(n - KEYS), vz);
-  // The next pair's key tiles (this pair's when it is the last): prefetched while this
-  // pair computes.
-  const int64_t next = base + 2 * KEYS < f.key_end ? base + 2 * KEYS : base;
-  t.nk0 = reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next, f.h));
-  t.nk1 = next + KEYS < f.key_end
-              ? reinterpret_cast<const char*>(cache_tile(p, k_cache, f.table, next + KEYS, f.h))
-              : t.nk0;
   return t;
 }
 
@@ -629,8 +656,10 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const C* k_cach
           pair_tiles<HEAD, C>(p, f, k_cache, v_cache, base, vz, pair_wide);
       __m512 a0[R], a1[R];
       for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-      const char* vp0 = reinterpret_cast<const char*>(tp.v0);
-      const char* vp1 = reinterpret_cast<const char*>(tp.v1);
+      const char* vp0 = tp.raw ? reinterpret_cast<const char*>(tp.rv0)
+                               : reinterpret_cast<const char*>(tp.v0);
+      const char* vp1 = tp.raw ? reinterpret_cast<const char*>(tp.rv1)
+                               : reinterpret_cast<const char*>(tp.v1);
 #pragma GCC unroll 8
       for (int w = 0; w < W; ++w) {
         // A line of each of the next pair's key tiles and of this pair's value tiles per
@@ -640,8 +669,8 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const C* k_cach
         _mm_prefetch(tp.nk1 + 64 * w, _MM_HINT_T0);
         _mm_prefetch(vp0 + 64 * w, _MM_HINT_T1);
         _mm_prefetch(vp1 + 64 * w, _MM_HINT_T1);
-        const __m512bh a = as_bh(_mm512_loadu_si512(tp.k0 + w * KEYS));
-        const __m512bh b = as_bh(_mm512_loadu_si512(tp.k1 + w * KEYS));
+        const __m512bh a = words_at<C>(tp, tp.k0, tp.rk0, w * KEYS);
+        const __m512bh b = words_at<C>(tp, tp.k1, tp.rk1, w * KEYS);
         for (int r = 0; r < R; ++r) {
           const __m512bh qw = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][w])));
           a0[r] = _mm512_dpbf16_ps(a0[r], a, qw);
@@ -664,9 +693,11 @@ void few_rows_vector(const Problem& p, const FewRows& f, int r0, const C* k_cach
       }
 #pragma GCC unroll 4
       for (int u = 0; u < KEYS; ++u) {
-        const uint32_t* vu = u < KEYS / 2 ? tp.v0 + u * HEAD : tp.v1 + (u - KEYS / 2) * HEAD;
+        const bool first = u < KEYS / 2;
+        const int64_t row = (first ? u : u - KEYS / 2) * HEAD;
         for (int g = 0; g < DV; ++g) {
-          const __m512bh v = as_bh(_mm512_loadu_si512(vu + kLanes * g));
+          const __m512bh v = first ? words_at<C>(tp, tp.v0, tp.rv0, row + kLanes * g)
+                                   : words_at<C>(tp, tp.v1, tp.rv1, row + kLanes * g);
           for (int r = 0; r < R; ++r) {
             acc[r][g] = _mm512_dpbf16_ps(acc[r][g], v,
                                          as_bh(_mm512_set1_epi32(static_cast<int>(pw[r][u]))));
