@@ -83,14 +83,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        if self.layer_op is not None:
-            out = self.layer_op(
-                q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap
-            )
-        else:
-            out = paged_attention(
-                q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap
-            )
+        attend = self.layer_op if self.layer_op is not None else paged_attention
+        out = attend(q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

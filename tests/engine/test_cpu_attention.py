@@ -366,10 +366,7 @@ def test_an_fp8_cache_with_a_window_and_a_cap_in_the_compiled_layer_op():
     meta, tables, num_blocks = paged_batch(chunks, block_size, rng)
     args = (chunks, tables, num_blocks, block_size, head_dim, FP8)
     k_cache, v_cache = poisoned_cache(*args), poisoned_cache(*args)
-    new = [(table, c, q) for table, (c, q) in zip(tables, chunks, strict=True)]
-    slots = [
-        t[p // block_size] * block_size + p % block_size for t, c, q in new for p in range(c, c + q)
-    ]
+    slots = meta.slot_mapping  # each new token's slot, in the batch's order
     key = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim) * 2
     value = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim)
     key[0, 0, :3] = torch.tensor([1000.0, -1000.0, 0.3])  # clipped to +-448, rounded

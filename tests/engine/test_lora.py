@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidegate.engine.llm import LLM
-from tidegate.engine.lora.adapter import LoRAError, read_adapter
+from tidegate.engine.lora.adapter import LoRAError, model_targets, read_adapter
 from tidegate.engine.lora.registry import LoRAConflict, LoRARegistry, parse_lora_modules
 from tidegate.engine.lora.tiny_adapter import make_tiny_adapter
 from tidegate.engine.model.config import ModelConfig
@@ -28,23 +28,10 @@ PROMPTS = [
 
 def adapters_for(model_dir: Path, root: Path) -> dict[str, Path]:
     """Three adapters of different ranks, targets, alphas (one rsLoRA) for one model folder."""
-    if ModelConfig.from_pretrained(model_dir).architecture == "Phi3ForCausalLM":
-        # PEFT adapts the modules the model has: Phi-3's q/k/v and gate/up are fused.
-        return {
-            "all-r8": make_tiny_adapter(model_dir, root / "all-r8", rank=8, seed=1),
-            "attn-r4": make_tiny_adapter(
-                model_dir, root / "attn-r4", rank=4, alpha=8, seed=2, targets=["qkv_proj"]
-            ),
-            "mlp-r16": make_tiny_adapter(
-                model_dir,
-                root / "mlp-r16",
-                rank=16,
-                alpha=4,
-                seed=3,
-                targets=["gate_up_proj", "o_proj"],
-                use_rslora=True,
-            ),
-        }
+    # PEFT adapts the modules the model has: Phi-3's q/k/v and gate/up are fused.
+    fused = "qkv_proj" in model_targets(ModelConfig.from_pretrained(model_dir))
+    attn = ["qkv_proj"] if fused else ["q_proj", "v_proj", "o_proj"]
+    mlp = ["gate_up_proj", "o_proj"] if fused else ["gate_proj", "up_proj", "down_proj", "k_proj"]
     return {
         "all-r8": make_tiny_adapter(model_dir, root / "all-r8", rank=8, seed=1),
         "attn-r4": make_tiny_adapter(
@@ -53,7 +40,7 @@ def adapters_for(model_dir: Path, root: Path) -> dict[str, Path]:
             rank=4,
             alpha=8,
             seed=2,
-            targets=["q_proj", "v_proj", "o_proj"],
+            targets=attn,
         ),
         "mlp-r16": make_tiny_adapter(
             model_dir,
@@ -61,7 +48,7 @@ def adapters_for(model_dir: Path, root: Path) -> dict[str, Path]:
             rank=16,
             alpha=4,
             seed=3,
-            targets=["gate_proj", "up_proj", "down_proj", "k_proj"],
+            targets=mlp,
             use_rslora=True,
         ),
     }
