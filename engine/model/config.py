@@ -475,11 +475,19 @@ class Fp8Checkpoint:
 
 
 def read_fp8_checkpoint(config: dict[str, Any] | None) -> Fp8Checkpoint | None:
-    """The layout of config.json's `quantization_config`, None when there is none; a
-    ValueError names what is not supported."""
+    """The layout of config.json's `quantization_config`, None when its weights are not
+    quantized; a ValueError names what is not supported. A `kv_cache_scheme` only checked
+    here: its scales are tensors of the checkpoint (quantization.KV_SCALE_NAME)."""
     if not config:
         return None
+    _check_kv_cache_scheme(config.get("kv_cache_scheme"))
     method = config.get("quant_method")
+    if (
+        method == "compressed-tensors"
+        and config.get("kv_cache_scheme")
+        and not config.get("config_groups")
+    ):
+        return None  # llm-compressor quantized only the KV cache: the weights are as trained
     if method == "fp8":
         if config.get("fmt", "e4m3") != "e4m3":
             raise ValueError(
@@ -494,6 +502,23 @@ def read_fp8_checkpoint(config: dict[str, Any] | None) -> Fp8Checkpoint | None:
         f"quantization method {method!r} (config.json quantization_config) is not supported; "
         f"supported: {_SUPPORTED_QUANTIZATION}"
     )
+
+
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """A compressed-tensors kv_cache_scheme must be FP8 with one scale per layer (AutoFP8
+    writes a string, "static", for the same)."""
+    if not isinstance(scheme, dict):
+        return
+    if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+        raise ValueError(
+            f"kv_cache_scheme quantizes the KV cache to {scheme.get('num_bits')}-bit "
+            f"{scheme.get('type')}; only 8-bit float (--kv-cache-dtype fp8) is supported"
+        )
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise ValueError(
+            f"kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported; only "
+            "tensor (one k_scale and one v_scale per layer) is"
+        )
 
 
 def _block(value: Any) -> tuple[int, int] | None:

@@ -72,6 +72,8 @@ class LlamaAttention(nn.Module):
         # The attention backend's own op for a whole layer, when it has one (set by the
         # model from its backend): called directly instead of `paged_attention`.
         self.layer_op = None
+        # An FP8 cache's calibrated (k_scale, v_scale) (`use_kv_cache_scales`); None: unscaled.
+        self.kv_scales: tuple[float, float] | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Attend each new token to its sequence's cached and new tokens."""
@@ -83,8 +85,18 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        scale = self.scale
+        if self.kv_scales is not None:
+            # The cache holds k / k_scale and v / v_scale. Every backend attends as if to k and
+            # v: q . k * scale is q . (k / k_scale) * (scale * k_scale), and the softmax's
+            # weighted sum of v / v_scale times v_scale is that of v (a cap takes the scaled
+            # score, so it too is unchanged).
+            k_scale, v_scale = self.kv_scales
+            k, v, scale = k / k_scale, v / v_scale, scale * k_scale
         attend = self.layer_op if self.layer_op is not None else paged_attention
-        out = attend(q, k, v, self.layer, self.scale, self.sliding_window, self.logits_soft_cap)
+        out = attend(q, k, v, self.layer, scale, self.sliding_window, self.logits_soft_cap)
+        if self.kv_scales is not None:
+            out = out * self.kv_scales[1]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -226,6 +238,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size) if is_last_stage() else None
         if self.lm_head is not None and config.tie_word_embeddings and self.model.first_stage:
             self.lm_head.tie(self.model.embed_tokens)
+
+    def use_kv_cache_scales(self, scales: dict[str, tuple[float, float]]) -> None:
+        """Have the attention modules named in `scales` store k / k_scale and v / v_scale in
+        their (FP8) cache: a checkpoint's calibrated (k_scale, v_scale). Other stages' layers
+        are not here."""
+        for name, module in self.named_modules():
+            if isinstance(module, LlamaAttention) and name in scales:
+                module.kv_scales = scales[name]
 
     @property
     def num_local_layers(self) -> int:

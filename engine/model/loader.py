@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +22,17 @@ from tidegate.engine.model.layers import Fp8Layout, Linear, MergedLinear, fp8_li
 from tidegate.engine.model.llama import LlamaForCausalLM
 from tidegate.engine.model.moe import EXPERT_PROJECTIONS, FusedExperts
 from tidegate.engine.model.quantization import (
+    KV_SCALE_NAME,
     UNUSED_SCALE_SUFFIXES,
     DequantizedSlice,
     is_scale,
+    kv_cache_scale,
+    kv_cache_scales,
     resolve_weight_format,
     scaled_weight,
 )
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint projection name -> (our fused module, shard id).
@@ -70,12 +76,14 @@ def load_model(
     attn_backend: AttentionBackend,
     config: ModelConfig | None = None,
     quantization: str = "auto",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model on `device` in `dtype` and fill it from the folder's safetensors.
 
     `config` saves re-reading config.json when the caller has it already. `quantization` is
     the engine's --quantization: how FP8 checkpoints are held, and whether others are
-    quantized to FP8 as they load (quantization.py).
+    quantized to FP8 as they load (quantization.py). With an FP8 `kv_cache_dtype` the
+    attention layers use the checkpoint's calibrated KV-cache scales, if it has them.
     """
     model_dir = Path(model_dir)
     if config is None:
@@ -94,7 +102,16 @@ def load_model(
         torch.set_default_dtype(previous_dtype)
     if layout is not None and config.fp8 is not None:
         _unquantized_stay(model, scales)
-    load_weights(model, _checkpoint_tensors(model_dir), scales)
+    kv_scales = load_weights(model, _checkpoint_tensors(model_dir), scales)
+    if kv_scales and kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1:
+        model.use_kv_cache_scales(kv_scales)
+    elif kv_scales:
+        logger.info(
+            "%s has calibrated KV-cache scales; a %s KV cache does not use them "
+            "(--kv-cache-dtype fp8 does)",
+            model_dir,
+            kv_cache_dtype or dtype,
+        )
     return model.eval(), config
 
 
@@ -102,8 +119,10 @@ def load_weights(
     model: LlamaForCausalLM,
     tensors: Iterator[tuple[str, Any]],
     scales: dict[tuple[str, str | None], torch.Tensor] | None = None,
-) -> None:
+) -> dict[str, tuple[float, float]]:
     """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly.
+    Returns the checkpoint's calibrated KV-cache scales, (k_scale, v_scale) by attention
+    module (empty without any), which are no parameter.
 
     A tensor may also be a lazy safetensors slice: each layer's loader reads only the rows
     or columns its tensor-parallel rank keeps. Under pipeline parallelism the tensors of other
@@ -126,12 +145,18 @@ def load_weights(
     tied = model.config.tie_word_embeddings
     multimodal = model.config.architecture in TEXT_OF_MULTIMODAL
     fp8 = model.config.fp8
+    kv_scales: dict[str, dict[str, float]] = {}
     for checkpoint_name, tensor in tensors:
         hf_name = _text_name(checkpoint_name, multimodal)
         if hf_name is None:
             continue  # served as a text model: images are refused before the engine
+        kv_scale = KV_SCALE_NAME.match(hf_name)
+        if kv_scale is not None:
+            kinds = kv_scales.setdefault(kv_scale["attention"], {})
+            kinds[kv_scale["kind"]] = kv_cache_scale(checkpoint_name, tensor)
+            continue
         if fp8 is not None and (is_scale(hf_name) or hf_name.endswith(UNUSED_SCALE_SUFFIXES)):
-            continue  # weight scales were read up front; calibrated ones are not used
+            continue  # weight scales were read up front; activation scales are not used
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue  # recomputed buffers, and the copy of a tied embedding
         name, shard = _our_name(hf_name)
@@ -161,6 +186,7 @@ def load_weights(
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
+    return kv_cache_scales(kv_scales)
 
 
 def _text_name(hf_name: str, multimodal: bool) -> str | None:

@@ -39,6 +39,8 @@ Execution (`resolve_weight_format`, the engine's `--quantization`):
 from __future__ import annotations
 
 import logging
+import math
+import re
 from typing import Any, Literal
 
 import torch
@@ -52,16 +54,15 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 # Names of a weight's scale in the formats above, in the order they are looked for.
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 # Calibrated scales an FP8 checkpoint may carry and the engine does not use: activations'
-# (static quantization; per-token scales instead, see above) and the KV cache's (a
-# kv_cache_scheme: --kv-cache-dtype fp8 stores keys and values unscaled, as vLLM does when a
-# checkpoint has none).
-UNUSED_SCALE_SUFFIXES = (
-    ".input_scale",
-    ".k_scale",
-    ".v_scale",
-    ".kv_scale",
-    ".q_scale",
-    ".output_scale",
+# (static quantization; per-token scales instead, see above) and attention's queries and
+# outputs (FP8 attention arithmetic, which no backend does).
+UNUSED_SCALE_SUFFIXES = (".input_scale", ".q_scale", ".output_scale")
+# Calibrated KV-cache scales (a kv_cache_scheme): one k_scale and one v_scale per layer under
+# self_attn (llm-compressor), under its k_proj and v_proj (ModelOpt), or one kv_scale for
+# both (AutoFP8, older checkpoints). Under --kv-cache-dtype fp8 the cache holds k / k_scale
+# and v / v_scale, which spends FP8's range on the values a layer really has.
+KV_SCALE_NAME = re.compile(
+    r"^(?P<attention>.+\.self_attn)(?:\.(?:k|v|qkv)_proj)?\.(?P<kind>kv|k|v)_scale$"
 )
 WeightFormat = Literal["fp8", "dequantize"]
 
@@ -260,3 +261,33 @@ def fp8_group_matmul_reference(
 @_fp8_linear.register_fake
 def _(x, weight, scale, group, use_triton) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def kv_cache_scale(name: str, tensor: Any) -> float:
+    """A checkpoint's calibrated KV-cache scale (tensor or lazy slice) as a number; a
+    ValueError for a scale per head or channel, or one that is not positive and finite."""
+    value = tensor if isinstance(tensor, torch.Tensor) else tensor[...]
+    if value.numel() != 1:
+        raise ValueError(
+            f"{name} holds {value.numel()} KV-cache scales (shape {tuple(value.shape)}); only "
+            "one per layer is supported (a kv_cache_scheme of strategy tensor)"
+        )
+    scale = float(value.float())
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} is {scale}; a KV-cache scale must be positive and finite")
+    return scale
+
+
+def kv_cache_scales(found: dict[str, dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """(k_scale, v_scale) of each attention module from the scales its checkpoint names hold
+    (`found`: module -> {"k", "v", "kv"} -> scale): a kv_scale stands for whichever of the
+    two is missing, and a layer with neither scales by 1."""
+    scales = {}
+    for attention, kinds in found.items():
+        k_scale = kinds.get("k", kinds.get("kv", 1.0))
+        v_scale = kinds.get("v", kinds.get("kv", 1.0))
+        if ("k" in kinds) != ("v" in kinds) and "kv" not in kinds:
+            given, missing = ("k", "v") if "k" in kinds else ("v", "k")
+            logger.warning("%s has a %s_scale and no %s_scale (1)", attention, given, missing)
+        scales[attention] = (k_scale, v_scale)
+    return scales

@@ -85,6 +85,7 @@ class ModelRunner:
             self.attn_backend,
             config=model_config,
             quantization=args.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         # bf16 linears on CPU: oneDNN's layout once, not a reorder per call (bitwise equal),
         # and the row counts that run faster in pieces measured up to a step's tokens.

@@ -556,9 +556,12 @@ def test_adapters_over_fp8_weights_equal_peft_over_fp8_products(tiny_fp8_model, 
     assert got != base
 
 
-def test_calibrated_kv_cache_scales_are_read_past(tiny_fp8_model, tmp_path):
-    """A checkpoint quantized with a kv_cache_scheme carries k_scale and v_scale per layer
-    (and older ones kv_scale): the engine does not use them, and loads the rest as without."""
+def test_an_fp8_checkpoints_calibrated_kv_cache_scales_load_beside_its_weights(
+    tiny_fp8_model, tmp_path
+):
+    """An FP8 checkpoint quantized with a kv_cache_scheme carries a k_scale and a v_scale per
+    layer (older ones a kv_scale for both): an FP8 KV cache uses them (test_fp8_kv_cache.py
+    checks the arithmetic), any other cache does not, and the weights load as without."""
     source = tiny_fp8_model("llama", "fp8-tensor")
     folder = tmp_path / "kv-scales"
     shutil.copytree(source, folder)
@@ -572,13 +575,19 @@ def test_calibrated_kv_cache_scales_are_read_past(tiny_fp8_model, tmp_path):
     }
     (folder / "config.json").write_text(json.dumps(config))
     tensors = load_file(folder / "model.safetensors")
-    for layer in range(config["num_hidden_layers"]):
-        for name in ("k_scale", "v_scale", "kv_scale"):
-            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.05)
+    layers = config["num_hidden_layers"]
+    for layer in range(layers):
+        scales = {"k_scale": 0.046875, "v_scale": 0.0625, "kv_scale": 0.5}  # k and v beat kv
+        for name, value in scales.items():
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(value)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     prompts = prompts_for(folder)[:3]
-    for kv_cache_dtype in ("auto", "fp8"):
-        assert (
-            engine_greedy(folder, prompts, kv_cache_dtype=kv_cache_dtype)[1]
-            == engine_greedy(source, prompts, kv_cache_dtype=kv_cache_dtype)[1]
-        )
+    llm, got = engine_greedy(folder, prompts)
+    assert got == engine_greedy(source, prompts)[1]
+    model = llm.engine.executor.worker.runner.model
+    assert [layer.self_attn.kv_scales for layer in model.model.layers] == [None] * layers
+    llm, _ = engine_greedy(folder, prompts, kv_cache_dtype="fp8")
+    model = llm.engine.executor.worker.runner.model
+    assert [layer.self_attn.kv_scales for layer in model.model.layers] == [
+        (0.046875, 0.0625)
+    ] * layers
