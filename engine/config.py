@@ -635,6 +635,14 @@ class ServerArgs(TenancyArgs):
         "requests with tools and tool_choice 'auto' (the default with tools); without it such "
         "requests are refused (tool_choice 'required' or a named function need no parser).",
     )
+    pooling: Literal["auto", "last", "mean"] = Field(
+        "auto",
+        description="How POST /v1/embeddings pools the final hidden states: 'last' (the last "
+        "input token's, as decoder embedding models are trained), 'mean' (their average over "
+        "the input), or 'auto': as the model folder's sentence-transformers modules.json says, "
+        "else 'last'. The folder's Normalize module says whether vectors are normalised "
+        "(without modules.json they are); a request may say otherwise (normalize).",
+    )
     prefill_via_header: bool = Field(
         False,
         description="Honour the x-prefiller-host-port header an endpoint picker sets: run the "

@@ -65,12 +65,20 @@ class InputProcessor:
                 f"priority {priority} needs a server started with --scheduling-policy priority; "
                 "this one takes only priority 0"
             )
+        if params.pooling is not None and kv_transfer is not None:
+            raise ValueError("an embedding is computed on this instance: no kv_transfer_params")
         if params.prompt_logprobs is not None and kv_transfer is not None:
             raise ValueError(
                 "prompt_logprobs need the prompt computed on this instance, so they cannot be "
                 "combined with kv_transfer_params (disaggregated serving)"
             )
         token_ids = self.prompt_token_ids(prompt)
+        if params.pooling is not None and len(token_ids) >= self.max_model_len:
+            # Embedded, with the one token the engine samples to finish the request.
+            raise ValueError(
+                f"the input has {len(token_ids):,} tokens; this model embeds at most "
+                f"{self.max_model_len - 1:,} (max_model_len is {self.max_model_len:,})"
+            )
         self.check_prompt(token_ids)
         if (
             params.max_tokens is not None

@@ -14,7 +14,8 @@ from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.lora.registry import LoRARegistry
 from tidegate.engine.messages import LoRARequest
 from tidegate.engine.output_processor import OutputProcessor
-from tidegate.engine.outputs import RequestOutput
+from tidegate.engine.outputs import EmbeddingOutput, RequestOutput
+from tidegate.engine.pooling import check_dimensions, finish_embedding, read_pooling_config
 from tidegate.engine.sampling_params import SamplingParams
 from tidegate.engine.tokenizer import Tokenizer
 
@@ -140,6 +141,30 @@ class LLM:
             self._abort([request.request_id for request in requests])
             raise
         return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "auto",
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+    ) -> list[EmbeddingOutput]:
+        """An embedding of each prompt (text or token ids), in prompt order: its final hidden
+        states pooled as the model folder says (pooling.py) unless `pooling` ("last", "mean")
+        does, its first `dimensions` values kept, normalised unless `normalize` is False (or
+        the folder does not normalise and `normalize` is None)."""
+        config = read_pooling_config(self.args.model, pooling)
+        check_dimensions(dimensions, self.engine.model_config.hidden_size)
+        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=config.pooling)
+        unit = config.normalize if normalize is None else normalize
+        return [
+            EmbeddingOutput(
+                prompt_token_ids=output.prompt_token_ids,
+                embedding=finish_embedding(output.pooled or [], unit, dimensions),
+            )
+            for output in self.generate(prompts, params, lora_request=lora_request)
+        ]
 
     def _loras_per_prompt(
         self, lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None, count: int

@@ -140,6 +140,8 @@ class ModelRunnerOutput(msgspec.Struct):
     # Requests with prompt_logprobs, on the step that samples their first token: one entry per
     # prompt token after the first (the token itself, then the top k; its rank).
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    # Requests with pooling, on the step that samples their first token: the pooled vector.
+    pooled: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 # -- API server <-> EngineCore --------------------------------------------------------------
@@ -184,6 +186,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: LogprobsLists | None = None
     # With the first token of a request that asked for them: its prompt tokens' logprobs.
     prompt_logprobs: LogprobsLists | None = None
+    # With the first token of a request with pooling: its prompt's pooled hidden states.
+    pooled: list[float] | None = None
     num_cached_tokens: int = 0
     # Seconds from arrival to first being scheduled; set on a request's first output only.
     queue_time: float | None = None

@@ -131,6 +131,8 @@ class OutputProcessor:
                 self._append_logprobs(completion, new_logprobs)
             if out.prompt_logprobs is not None:
                 state.output.prompt_logprobs = [None, *self._entries(out.prompt_logprobs)]
+            if out.pooled is not None:
+                state.output.pooled = out.pooled
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if stop is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop
@@ -148,6 +150,7 @@ class OutputProcessor:
                 # Streaming callers get the prompt's logprobs once, with the first token.
                 if out.prompt_logprobs is not None:
                     delta.prompt_logprobs = state.output.prompt_logprobs
+                delta.pooled = out.pooled
                 updated.append(delta)
             else:
                 updated.append(state.output)

@@ -49,3 +49,14 @@ class RequestOutput:
     # With prompt_logprobs, once the first token is out: per prompt token, candidate token id
     # -> Logprob (the prompt's token always present); None for the first, which nothing predicts.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With pooling (SamplingParams.pooling), once the first token is out: the prompt's pooled
+    # final hidden states, not normalised.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (LLM.embed): its tokens and the vector."""
+
+    prompt_token_ids: list[int]
+    embedding: list[float]

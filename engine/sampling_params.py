@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 # Seeds are in [0, SEED_RANGE): torch generators take 64-bit seeds.
 SEED_RANGE = 2**63
+# How a request's prompt may be pooled into an embedding (SamplingParams.pooling).
+POOLING_TYPES = (None, "last", "mean")
 
 
 @dataclass
@@ -95,6 +97,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Grammar-constrained decoding: every sampled token keeps the output a valid prefix.
     structured_outputs: StructuredOutputsParams | None = None
+    # Embeddings: the prompt's final hidden states pooled into one vector, which comes with the
+    # first sampled token (RequestOutput.pooled). "last": the last prompt token's (what
+    # decoder embedding models are trained for); "mean": the average over the prompt, which,
+    # like prompt_logprobs, takes no prefix-cache hits.
+    pooling: str | None = None
     # Filled by the engine: the model's EOS ids, which end a request unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -151,6 +158,10 @@ class SamplingParams:
                 fail(f"logit_bias keys must be non-negative token ids, got {token_id}")
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.pooling not in POOLING_TYPES:
+            fail(
+                f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}, got {self.pooling!r}"
+            )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 fail("allowed_token_ids must not be empty: no token could be sampled")

@@ -71,8 +71,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         extend_block_hashes(request, self.block_size)
-        if request.sampling_params.prompt_logprobs is not None:
-            # Its prompt's logprobs come from computing every prompt token: a hit would skip some.
+        params = request.sampling_params
+        if params.prompt_logprobs is not None or params.pooling == "mean":
+            # Its prompt's logprobs, or the mean of its hidden states, come from computing every
+            # prompt token: a hit would skip some.
             return [], 0
         # Stop one token short of the whole prompt: the last token must be computed so the
         # step yields logits to sample from.

@@ -817,6 +817,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     new_logprobs=logprobs,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
+                    pooled=runner_output.pooled.get(req_id),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_time=self._queue_time(request, len(new_token_ids)),
                     kv_transfer_params=request.kv_transfer_params_out,

@@ -119,6 +119,7 @@ async def _serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         prefill_via_header=server_args.prefill_via_header,
         on_prefill_fallback=metrics.record_prefill_header_fallback,
         prefill_hosts=server_args.prefill_hosts,
+        pooling=server_args.pooling,
     )
     config = uvicorn.Config(
         app,

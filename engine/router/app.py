@@ -30,7 +30,11 @@ from tidegate.engine.entrypoints.openai.errors import (
     error_response,
     to_openai_error,
 )
-from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
+from tidegate.engine.entrypoints.openai.pd_bodies import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+)
 from tidegate.engine.router import errors
 from tidegate.engine.router.epp import serve_endpoint_picker
 from tidegate.engine.router.health import HealthMonitor
@@ -40,7 +44,15 @@ from tidegate.engine.router.tenant_limits import TenantLimitMiddleware
 
 logger = logging.getLogger("tidegate.router")
 
-ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, "/v1/models", "/health", "/live", "/metrics")
+ROUTED_PATHS = (
+    COMPLETIONS_PATH,
+    CHAT_PATH,
+    EMBEDDINGS_PATH,
+    "/v1/models",
+    "/health",
+    "/live",
+    "/metrics",
+)
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/live", "/metrics")
 
@@ -103,6 +115,8 @@ def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlet
     routes = [
         Route(COMPLETIONS_PATH, _completion, methods=["POST"]),
         Route(CHAT_PATH, _completion, methods=["POST"]),
+        # One leg to a decode (or unified) instance, which computes the input itself.
+        Route(EMBEDDINGS_PATH, _completion, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/live", _live, methods=["GET"]),
@@ -120,7 +134,7 @@ def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlet
             TenantLimitMiddleware,
             per_instance=args.max_in_flight_per_tenant,
             instances=lambda: len(app.state.proxy.pools["decode"].healthy()),
-            paths=(COMPLETIONS_PATH, CHAT_PATH),
+            paths=(COMPLETIONS_PATH, CHAT_PATH, EMBEDDINGS_PATH),
             cache_salt_header=args.cache_salt_header,
             keyed=keys is not None,
         )

@@ -21,8 +21,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from tidegate.engine.core.block_hash import append_block_hashes
-from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
-from tidegate.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tidegate.engine.entrypoints.openai.pd_bodies import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+)
+from tidegate.engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from tidegate.engine.entrypoints.openai.serving_chat import chat_prompt_token_ids
 from tidegate.engine.router.selection import affinity_key, request_model
 from tidegate.engine.tokenizer import Tokenizer
@@ -55,7 +63,8 @@ class Route:
 
 
 class PromptTokenizer:
-    """Token ids of a completion or chat body, as the engine's API server computes them."""
+    """Token ids of a completion, chat or embeddings body, as the engine's API server
+    computes them."""
 
     def __init__(self, folder: str) -> None:
         self.tokenizer = Tokenizer(folder)
@@ -68,13 +77,16 @@ class PromptTokenizer:
                 return chat_prompt_token_ids(self.tokenizer, chat)
             if path == COMPLETIONS_PATH:
                 prompts = CompletionRequest.model_validate(body).prompts()
-                if len(prompts) != 1:
-                    return None
-                prompt = prompts[0]
-                return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            elif path == EMBEDDINGS_PATH:
+                prompts = EmbeddingRequest.model_validate(body).inputs()
+            else:
+                return None
+            if len(prompts) != 1:
+                return None
+            prompt = prompts[0]
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         except (ValidationError, ValueError, TypeError):
             return None
-        return None
 
 
 def request_route(

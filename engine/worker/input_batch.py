@@ -33,6 +33,11 @@ class CachedRequestState:
     # prompt_logprobs: per prompt token from the second on, as the chunks compute them, (ids:
     # the token then the top k, logprobs, rank); sent with the first sampled token, then None.
     prompt_logprobs: tuple[list[list[int]], list[list[float]], list[int]] | None = None
+    # pooling: the last prompt token's hidden state ("last"), or the sum of the prompt's
+    # hidden states over its first `pooled_upto` positions ("mean"), in float32; sent with the
+    # first sampled token, then None.
+    pooled: torch.Tensor | None = None
+    pooled_upto: int = 0
 
 
 class PersistentBatch:

@@ -128,6 +128,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Held requests whose prompt logprobs have not gone out yet with their first token.
         self.prompt_logprobs_pending: set[str] = set()
+        # Held requests with pooling whose vector has not gone out yet with their first token.
+        self.pooling_pending: set[str] = set()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = args.block_size
         max_blocks_per_seq = -(-max_model_len // args.block_size)
@@ -243,11 +245,14 @@ class ModelRunner:
             if state is not None:
                 batch.remove(state.row)
             self.prompt_logprobs_pending.discard(req_id)
+            self.pooling_pending.discard(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             row = batch.add(new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
             if params.prompt_logprobs is not None:
                 self.prompt_logprobs_pending.add(new.req_id)
+            if params.pooling is not None:
+                self.pooling_pending.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 row=row,
@@ -308,8 +313,11 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         prompt_logprobs: dict[str, LogprobsLists] = {}
+        pooled: dict[str, list[float]] = {}
         if self.prompt_logprobs_pending:
             self._prompt_logprobs(hidden, states, rows, num_scheduled)
+        if self.pooling_pending:
+            self._pool(hidden, states, rows, num_scheduled)
         if step.sampling_rows:
             logits = self.model.compute_logits(hidden[step.logits_indices])
             sampling = [states[i] for i in step.sampling_rows]
@@ -337,6 +345,8 @@ class ModelRunner:
                     )
                     state.prompt_logprobs = None
                     self.prompt_logprobs_pending.discard(state.req_id)
+                if state.req_id in self.pooling_pending:
+                    pooled[state.req_id] = self._pooled_vector(state)
             if output is not None and output.logprobs is not None:
                 logprobs = self._logprobs_lists(output, sampling, kept, proposed)
             if proposed is not None:
@@ -349,6 +359,7 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
     def _prompt_logprobs(
@@ -389,6 +400,51 @@ class ModelRunner:
                 for gathered, new in zip((ids, values, ranks), more, strict=True):
                     gathered.extend(new)
             state.prompt_logprobs = (ids, values, ranks)
+
+    def _pool(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        num_scheduled: list[int],
+    ) -> None:
+        """Pool the final hidden states of this step's prompt chunks for the requests that ask
+        (SamplingParams.pooling): keep the last prompt token's, or add the chunk's to the sum.
+
+        A mean-pooled request takes no prefix-cache hits, so its chunks cover the prompt from
+        the start; a chunk recomputed after a preemption adds nothing twice. Copies, in
+        float32: a CUDA graph's output buffer is overwritten by its next replay.
+        """
+        starts = np.cumsum([0, *num_scheduled])
+        for i, state in enumerate(states):
+            if state.req_id not in self.pooling_pending:
+                continue
+            begin = int(self.batch.num_computed_tokens[rows[i]])  # this chunk's first position
+            num_prompt = len(state.prompt_token_ids)
+            end = min(begin + num_scheduled[i], num_prompt)
+            flat = int(starts[i]) - begin  # hidden's row of position p is flat + p
+            if state.sampling_params.pooling == "last":
+                if begin < num_prompt <= begin + num_scheduled[i]:
+                    state.pooled = hidden[flat + num_prompt - 1].to(torch.float32, copy=True)
+                continue
+            first = max(begin, state.pooled_upto)
+            if first > state.pooled_upto:
+                raise RuntimeError(f"the mean pooling of {state.req_id} skips a position")
+            if end > first:
+                chunk = hidden[flat + first : flat + end].to(torch.float32).sum(dim=0)
+                state.pooled = chunk if state.pooled is None else state.pooled + chunk
+                state.pooled_upto = end
+
+    def _pooled_vector(self, state: CachedRequestState) -> list[float]:
+        """The request's pooled vector, on the step that samples its first token."""
+        if state.pooled is None:
+            raise RuntimeError(f"{state.req_id} samples before its prompt was pooled")
+        vector = state.pooled
+        if state.sampling_params.pooling == "mean":
+            vector = vector / len(state.prompt_token_ids)
+        state.pooled = None
+        self.pooling_pending.discard(state.req_id)
+        return vector.tolist()
 
     def _grammar_rows(
         self, grammar: GrammarBitmask | None, rows: list[CachedRequestState], device: torch.device

@@ -287,3 +287,56 @@ def test_models_tokenize_detokenize_version(server):
     ).json()
     assert text["prompt"] == "<s>The tide"  # special tokens are shown, as vLLM does
     assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_embeddings_match_the_offline_engine_as_floats_and_base64(client, offline, server):
+    """The openai package asks for base64 unless told otherwise and decodes it itself."""
+    texts = [*PROMPTS, PROMPTS[0] + " and goes out again"]
+    want = [output.embedding for output in offline.embed(texts)]
+    as_base64 = client.embeddings.create(model=SERVED_NAME, input=texts)
+    as_floats = client.embeddings.create(model=SERVED_NAME, input=texts, encoding_format="float")
+    for got in (as_base64, as_floats):
+        assert [item.index for item in got.data] == [0, 1, 2, 3]
+        for item, expected in zip(got.data, want, strict=True):
+            assert item.embedding == pytest.approx(expected, abs=1e-5)
+        assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in offline.embed(texts))
+        assert got.usage.total_tokens == got.usage.prompt_tokens
+    ids = offline.get_tokenizer().encode(PROMPTS[1])
+    by_ids = client.embeddings.create(model=SERVED_NAME, input=[ids], dimensions=8)
+    assert by_ids.data[0].embedding == pytest.approx(
+        offline.embed([ids], dimensions=8)[0].embedding, abs=1e-5
+    )
+    # vLLM's normalize field; mean pooling needs the server's --pooling.
+    raw = httpx.post(
+        f"{server.base_url}/v1/embeddings",
+        json={"model": SERVED_NAME, "input": PROMPTS[2], "normalize": False},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["data"][0]["embedding"]
+    assert raw == pytest.approx(offline.embed(PROMPTS[2], normalize=False)[0].embedding, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": ""}, "input must not be empty"),
+        ({"input": ["a", []]}, "input must be a string, a list of strings"),
+        ({"input": [[]]}, "input must not be empty"),
+        ({"input": "tide", "dimensions": 100000}, "dimensions must be between 1 and"),
+        ({"input": "tide", "dimensions": 0}, "dimensions"),
+        ({"input": "tide", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": [[1] * 600]}, "the input has 600 tokens; this model embeds at most 511"),
+        ({"input": [[10**9]]}, "outside this model's vocabulary"),
+        ({"input": ["x"] * 2049}, "at most 2048 per request"),
+    ],
+)
+def test_bad_embedding_requests_get_an_openai_400(server, body, message):
+    response = httpx.post(
+        f"{server.base_url}/v1/embeddings",
+        json={"model": SERVED_NAME, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert message in error["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200

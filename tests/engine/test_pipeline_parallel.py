@@ -96,6 +96,18 @@ def one_stage(tiny_llama_dir: Path) -> list:
     return _generate(tiny_llama_dir)
 
 
+def test_two_stages_embed_as_one_does(tiny_llama_dir):
+    """Only the last stage has the final hidden states; it pools them."""
+    embeddings = {}
+    for stages in (1, 2):
+        with LLM(str(tiny_llama_dir), **ENGINE, pipeline_parallel_size=stages) as llm:
+            embeddings[stages] = [
+                o.embedding for pooling in ("last", "mean") for o in llm.embed(PROMPTS, pooling)
+            ]
+    for got, want in zip(embeddings[2], embeddings[1], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
 @pytest.mark.parametrize("micro_batching", [True, False])
 def test_two_stages_generate_the_tokens_of_one(tiny_llama_dir, one_stage, micro_batching):
     two = _generate(

@@ -139,6 +139,24 @@ def test_two_ranks_with_async_scheduling_constrain_as_one_rank_does(tiny_llama_d
     assert got == want
 
 
+def test_two_ranks_with_async_scheduling_embed_as_one_rank_does(tiny_llama_dir):
+    """The pooled vector is rank 0's, and goes out with the token that ends the request, in
+    the step async scheduling planned before that token was known."""
+    embeddings = {}
+    for size, overlapped in ((1, False), (2, True)):
+        with LLM(
+            str(tiny_llama_dir),
+            tensor_parallel_size=size,
+            async_scheduling=overlapped,
+            **ENGINE,
+        ) as llm:
+            embeddings[size] = [
+                o.embedding for pooling in ("last", "mean") for o in llm.embed(PROMPTS, pooling)
+            ]
+    for got, want in zip(embeddings[2], embeddings[1], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
 def _generate_with_adapters(
     model_dir: Path, adapters: list[Path], tensor_parallel_size: int
 ) -> list[list[int]]:

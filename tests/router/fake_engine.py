@@ -71,6 +71,7 @@ class FakeEngine:
             routes=[
                 Route("/v1/completions", self._completion, methods=["POST"]),
                 Route("/v1/chat/completions", self._completion, methods=["POST"]),
+                Route("/v1/embeddings", self._completion, methods=["POST"]),
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),

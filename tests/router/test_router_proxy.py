@@ -93,6 +93,19 @@ def test_n_above_one_and_batches_skip_the_prefill_leg(pd):
     assert "tidegate:router_prefill_skipped_total 4.0" in router.metrics()
 
 
+def test_embeddings_go_to_a_decode_instance_in_one_leg(pd):
+    """An embedding comes from computing the input, which a pull of its KV would skip."""
+    prefill, decode, router = pd
+    body = {"model": "tiny", "input": "Once upon a time", "dimensions": 8}
+    headers = {"Authorization": "Bearer k", "X-Request-Id": "emb-1"}
+    assert router.client.post("/v1/embeddings", json=body, headers=headers).status_code == 200
+    assert prefill.engine.received == []
+    [sent] = decode.engine.received
+    assert (sent.path, sent.body) == ("/v1/embeddings", body)
+    assert sent.headers["x-request-id"] == "emb-1"
+    assert "tidegate:router_prefill_skipped_total 1.0" in router.metrics()
+
+
 def test_a_single_prompt_of_token_ids_is_prefilled(pd):
     prefill, _, router = pd
     body = {**COMPLETION, "prompt": [5, 6, 7]}
@@ -127,9 +140,10 @@ def test_models_come_from_a_decode_instance(pd):
 
 def test_unknown_paths_and_bad_bodies_get_openai_errors(pd):
     _, _, router = pd
-    missing = router.client.get("/v1/embeddings")
+    missing = router.client.get("/v1/audio/speech")
     assert missing.status_code == 404
-    assert missing.json()["error"]["message"].startswith("no route GET /v1/embeddings")
+    assert missing.json()["error"]["message"].startswith("no route GET /v1/audio/speech")
+    assert router.client.get("/v1/embeddings").status_code == 405
     assert router.client.get("/v1/completions").status_code == 405
     bad = router.client.post("/v1/completions", content=b"{not json")
     assert bad.status_code == 400

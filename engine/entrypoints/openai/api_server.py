@@ -26,7 +26,11 @@ from tidegate.engine.entrypoints.openai.openapi import (
     error_responses,
     generation_responses,
 )
-from tidegate.engine.entrypoints.openai.pd_bodies import CHAT_PATH, COMPLETIONS_PATH
+from tidegate.engine.entrypoints.openai.pd_bodies import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+)
 from tidegate.engine.entrypoints.openai.prefill_via_header import (
     AllowedHosts,
     PrefillViaHeader,
@@ -35,6 +39,7 @@ from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -44,18 +49,21 @@ from tidegate.engine.entrypoints.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
 )
 from tidegate.engine.entrypoints.openai.serving_chat import ChatServing
 from tidegate.engine.entrypoints.openai.serving_completion import CompletionServing
+from tidegate.engine.entrypoints.openai.serving_embedding import EmbeddingServing
 from tidegate.engine.entrypoints.openai.serving_lora import LoRAServing
 from tidegate.engine.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from tidegate.engine.entrypoints.openai.tenants import request_tenant
 from tidegate.engine.errors import EngineDeadError
 from tidegate.engine.http_server import Drain
 from tidegate.engine.messages import LoRARequest
+from tidegate.engine.pooling import read_pooling_config
 
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -84,6 +92,7 @@ def build_app(
     prefill_via_header: bool = False,
     on_prefill_fallback: Callable[[str], None] | None = None,
     prefill_hosts: list[str] | None = None,
+    pooling: str = "auto",
 ) -> FastAPI:
     """The app serving `engine` under `served_model_names`.
 
@@ -100,6 +109,8 @@ def build_app(
         names a prefill instance has its prompt computed there first; `on_prefill_fallback` counts
         the legs that failed, by reason; `prefill_hosts` (names or addresses) limits the instances
     the header may name. Its HTTP client lives in the app's lifespan.
+    `pooling` ("auto": as the model folder says, or "last" or "mean") is how /v1/embeddings
+    pools the final hidden states (pooling.py).
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -134,6 +145,14 @@ def build_app(
         app.add_middleware(DrainMiddleware, drain=drain)
     completions = CompletionServing(engine)
     chat = ChatServing(engine, tool_call_parser)
+    # A folder that pools in a way the engine does not (CLS) still serves completions; its
+    # embedding requests are refused with the reason.
+    embeddings: EmbeddingServing | None = None
+    no_embeddings = ""
+    try:
+        embeddings = EmbeddingServing(engine, read_pooling_config(model_path, pooling))
+    except ValueError as error:
+        no_embeddings = str(error)
     created = int(time.time())
 
     def check_model(name: str | None) -> None:
@@ -147,7 +166,9 @@ def build_app(
             return None
         return loras.resolve(name)
 
-    def salt(body: CompletionRequest | ChatCompletionRequest, request: HTTPRequest) -> None:
+    def salt(
+        body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest, request: HTTPRequest
+    ) -> None:
         if cache_salt_header is not None:
             body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
 
@@ -197,6 +218,15 @@ def build_app(
         if refused is not None:
             return refused
         return await chat.create(body, request, lora, tenant(request))
+
+    @app.post(EMBEDDINGS_PATH, response_model=EmbeddingResponse, responses=error_responses("4XX"))
+    async def create_embedding(body: EmbeddingRequest, request: HTTPRequest) -> Response:
+        check_alive()
+        lora = resolve_model(body.model)
+        salt(body, request)
+        if embeddings is None:
+            raise ValueError(f"this server embeds nothing: {no_embeddings}")
+        return await embeddings.create(body, request, lora, tenant(request))
 
     @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:

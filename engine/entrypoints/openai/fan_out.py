@@ -164,6 +164,8 @@ class ChoiceState:
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An embedding request's pooled vector (SamplingParams.pooling), as the engine gives it.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -186,6 +188,8 @@ class ChoiceState:
         self.prompt, self.prompt_token_ids = output.prompt, output.prompt_token_ids
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
+        if output.pooled is not None:
+            self.pooled = output.pooled
         self.num_cached_tokens = output.num_cached_tokens
         if output.kv_transfer_params is not None:
             self.kv_transfer_params = output.kv_transfer_params

@@ -12,6 +12,7 @@ from typing import Any
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # Where an endpoint picker names the prefill instance of a request it sends to a decode one.
 PREFILLER_HEADER = "x-prefiller-host-port"
@@ -30,6 +31,8 @@ def needs_prefill(path: str, body: Mapping[str, Any]) -> bool:
     request for its prompt's logprobs (echo with logprobs, or prompt_logprobs): they come from
     computing the prompt, which a pull of its KV skips.
     """
+    if path not in (CHAT_PATH, COMPLETIONS_PATH):
+        return False  # embeddings: the vector comes from computing the prompt
     if body.get("n", 1) not in (1, None):
         return False
     if body.get("prompt_logprobs") is not None or (

@@ -146,7 +146,7 @@ class SamplingRequest(ConstrainedRequest):
         )
 
 
-def _check_prompt(prompt: Any) -> Any:
+def _check_prompt(prompt: Any, name: str = "prompt") -> Any:
     def is_ids(value: Any) -> bool:
         return isinstance(value, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -159,7 +159,7 @@ def _check_prompt(prompt: Any) -> Any:
     if isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
         return prompt
     raise ValueError(
-        "prompt must be a string, a list of strings, a list of token ids, "
+        f"{name} must be a string, a list of strings, a list of token ids, "
         "or a list of token-id lists"
     )
 
@@ -496,3 +496,48 @@ class UnloadLoRAAdapterRequest(RequestBody):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+# OpenAI's limit on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings: one vector per input."""
+
+    model: str
+    # A string, a list of strings, a token-id list, or a list of token-id lists; none empty.
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = "float"
+    # The leading dimensions kept (Matryoshka models), normalised again.
+    dimensions: int | None = Field(default=None, ge=1)
+    user: Any = None  # accepted, unused
+    # vLLM's fields: whether the vector is scaled to unit length (None: as the model's folder
+    # says), the prefix cache's tenant salt, and the admission priority.
+    normalize: bool | None = None
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+    _null_encoding_format = null_is_default("encoding_format")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        value = _check_prompt(value, "input")  # the shapes of a completion's prompt
+        inputs = (
+            [value] if isinstance(value, str) or not value or isinstance(value[0], int) else value
+        )
+        if any(len(item) == 0 for item in inputs):
+            raise ValueError("input must not be empty (nor hold an empty string or token list)")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(
+                f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request"
+            )
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a string or a token-id list."""
+        value = self.input
+        if isinstance(value, str) or isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]

@@ -207,3 +207,26 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    # encoding_format "float": the values; "base64": their float32 bytes, little-endian.
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingResponse(BaseModel):
+    """POST /v1/embeddings' answer: the inputs' vectors in their order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage

@@ -21,6 +21,8 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 64
 # Every request "generates" this text, one token per output, cut at max_tokens.
 SCRIPT = " the cat sat on the mat and looked at the dog."
+# The size of the vectors embedding requests get.
+EMBEDDING_SIZE = 8
 
 
 class FakeEngine:
@@ -110,7 +112,18 @@ class FakeEngine:
                 finished=last,
                 num_cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
                 prompt_logprobs=self._prompt_logprobs(request) if step == 0 else None,
+                pooled=self._pooled(request) if step == 0 else None,
             )
+
+    @staticmethod
+    def _pooled(request: EngineCoreRequest) -> list[float] | None:
+        """An embedding request's vector (EMBEDDING_SIZE values): its prompt's length, then the
+        first prompt ids, then zeros."""
+        if request.sampling_params.pooling is None:
+            return None
+        ids = request.prompt_token_ids
+        values = [float(len(ids)), *map(float, ids[: EMBEDDING_SIZE - 1])]
+        return values + [0.0] * (EMBEDDING_SIZE - len(values))
 
     def _script_ids(self, request: EngineCoreRequest) -> list[int]:
         if self.texts is None:

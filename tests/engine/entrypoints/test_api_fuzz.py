@@ -34,6 +34,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 OPERATIONS = [
     ("POST", "/v1/completions", True),
     ("POST", "/v1/chat/completions", True),
+    ("POST", "/v1/embeddings", True),
     ("POST", "/tokenize", True),
     ("POST", "/detokenize", True),
     ("GET", "/v1/models", False),
