@@ -327,6 +327,10 @@ def _engine_config(ctx: _Context, tuning: RoleTuning) -> str:
         # Every role alike: the KV transfer moves raw cache blocks, and a decode pod refuses
         # blocks of another dtype than its own. Only when not auto, as quantization above.
         values["kv_cache_dtype"] = spec.model.kv_cache_dtype
+    if spec.model.pooling != "auto":
+        # Every role alike: the router sends /v1/embeddings to a decode (or unified) pod, and
+        # a prefill pod answers one sent to it directly the same. Only when not auto, as above.
+        values["pooling"] = spec.model.pooling
     if spec.model.tool_call_parser is not None:
         # Every role alike: the router sends a prefill pod the client's request, tools and
         # tool_choice included, and a server without a parser refuses tool_choice auto.

@@ -214,6 +214,8 @@ class ModelSpec(SpecModel):
     quantization: Literal["auto", "fp8", "none"] = "auto"
     # The engine's `kv_cache_dtype` choices (EngineArgs); a test keeps the two the same.
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # The engine's `pooling` choices (ServerArgs); a test keeps the two the same.
+    pooling: Literal["auto", "last", "mean"] = "auto"
     # The engine's `tool_call_parser` choices (ServerArgs); a test keeps the two the same.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="The model family's format of tool calls"

@@ -547,6 +547,12 @@ INVALID = [
         "spec.model.kvCacheDtype: Input should be 'auto' or 'fp8'",
     ),
     _row(
+        "bad-pooling",
+        {"model": {"pooling": "cls"}},
+        'spec.model.pooling: Unsupported value: "cls": supported values: "auto", "last", "mean"',
+        "spec.model.pooling: Input should be 'auto', 'last' or 'mean'",
+    ),
+    _row(
         "tool-call-parser-not-the-engines",
         {"model": {"toolCallParser": "qwen"}},
         'spec.model.toolCallParser: Unsupported value: "qwen": supported values: "hermes", '
@@ -998,6 +1004,7 @@ _models = st.fixed_dictionaries(
         "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32"]),
         "quantization": st.sampled_from(["auto", "fp8", "none"]),
         "kvCacheDtype": st.sampled_from(["auto", "fp8"]),
+        "pooling": st.sampled_from(["auto", "last", "mean"]),
         "toolCallParser": st.sampled_from(["hermes", "llama3_json", "mistral"]),
     },
 )

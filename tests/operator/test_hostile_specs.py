@@ -225,6 +225,7 @@ TABLE = [
     row("dtype-int4", ("model.dtype", "int4"), SCHEMA),
     row("quantization-int4", ("model.quantization", "int4"), SCHEMA, "fp8"),
     row("kv-cache-dtype-int8", ("model.kvCacheDtype", "int8"), SCHEMA, "fp8"),
+    row("pooling-cls", ("model.pooling", "cls"), SCHEMA, "mean"),
     row("pull-policy", ("imagePullPolicy", "Sometimes"), SCHEMA),
     # An ExternalName Service would point the endpoint's name anywhere.
     row("service-external-name", ("service.type", "ExternalName"), SCHEMA),

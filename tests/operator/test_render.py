@@ -2083,6 +2083,34 @@ def test_changing_the_kv_cache_dtype_rolls_the_engine_pods_not_the_router() -> N
     assert auto["llm-router"] == fp8["llm-router"]
 
 
+# --- embeddings' pooling (spec.model.pooling) --------------------------------------------------
+
+POOLINGS = CRD_MODEL["properties"]["pooling"]["enum"]
+
+
+def test_the_crd_offers_exactly_the_engines_poolings() -> None:
+    engine = get_args(ServerArgs.model_fields["pooling"].annotation)
+    assert sorted(POOLINGS) == sorted(engine)
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_a_pooling_reaches_every_engine_role_and_the_server_takes_it(
+    layout: str, tmp_path: Path
+) -> None:
+    spec, engine_roles = ENGINE_LAYOUTS[layout]
+    rendered = render_spec(spec | {"model": {**spec["model"], "pooling": "mean"}})
+    texts = config_map(rendered)["data"]
+    for role in engine_roles:
+        assert role_args(texts, role, ServerArgs, tmp_path).pooling == "mean"
+    if "router.yaml" in texts:
+        assert "pooling" not in yaml.safe_load(texts["router.yaml"])
+    # auto is the server's default: resources that predate the field keep their pods.
+    auto = spec | {"model": {**spec["model"], "pooling": "auto"}}
+    assert config_map(render_spec(auto)) == config_map(render_spec(spec))
+    for text in config_map(render_spec(spec))["data"].values():
+        assert "pooling" not in yaml.safe_load(text)
+
+
 # --- speculative decoding (spec.speculativeDecoding) ------------------------------------------
 
 SPECULATIVE = {"numSpeculativeTokens": 5, "promptLookupMax": 3, "disableByBatchSize": 32}
