@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import tempfile
 import time
@@ -52,13 +54,33 @@ def in_peer_env(command: list[str], peers: Path = PEERS) -> list[str]:
     return ["bash", "-c", script]
 
 
-def run_peer_script(script: Path, arguments: list[str], timeout: int = 1800) -> dict:
-    """Run a benchmarks/peers script in vLLM's venv (make bench-peers), with `--out FILE` added;
-    returns the JSON it wrote there."""
+def run_in_peer_env(
+    command: list[str], peers: Path = PEERS, timeout: int = 1800, cwd: str | None = None
+) -> None:
+    """Run `command` in the peer venv's environment (`in_peer_env`); CalledProcessError if it
+    fails. In a session of its own, ended whole afterwards: vLLM's engine-core and worker
+    processes outlive a script that exits before shutting them down (its teardown may abort),
+    and left behind they spin on the cores that every later run measures."""
+    peer = subprocess.Popen(in_peer_env(command, peers), start_new_session=True, cwd=cwd)
+    try:
+        code = peer.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait()
+    if code != 0:
+        raise subprocess.CalledProcessError(code, command)
+
+
+def run_peer_script(
+    script: Path, arguments: list[str], timeout: int = 1800, peers: Path = PEERS
+) -> dict:
+    """Run a benchmarks/peers script in vLLM's venv (make bench-peers, under `peers`), with
+    `--out FILE` added; returns the JSON it wrote there."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        command = [str(peer_python()), str(script), *arguments, "--out", str(out)]
-        subprocess.run(in_peer_env(command), check=True, timeout=timeout)
+        command = [str(peer_python(peers)), str(script), *arguments, "--out", str(out)]
+        run_in_peer_env(command, peers, timeout)
         return json.loads(out.read_text())
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -23,10 +22,10 @@ from offline_throughput import make_prompts
 
 from common import (
     ROOT,
-    in_peer_env,
     machine,
     model_dir,
     peer_python,
+    run_in_peer_env,
     scenario_parser,
     table,
     update_readme,
@@ -124,7 +123,7 @@ def run_vllm(model: Path, adapters: list[Path], prompts, output_len: int, repeat
             "--out",
             str(out),
         ]
-        subprocess.run(in_peer_env(command), check=True, timeout=3600, cwd=tempfile.gettempdir())
+        run_in_peer_env(command, timeout=3600, cwd=tempfile.gettempdir())
         return json.loads(out.read_text())["output_tokens_per_s"]
 
 

@@ -16,14 +16,13 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import ROOT, check_peers, in_peer_env, peer_python
+from common import ROOT, check_peers, peer_python, run_in_peer_env
 
 PEER_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_offline.py"
 
@@ -121,7 +120,7 @@ def run_vllm(model_dir: Path, prompts, output_len: int, dtype: str, repeats: int
             "--out",
             str(out),
         ]
-        subprocess.run(in_peer_env(command), check=True, timeout=1800)
+        run_in_peer_env(command, timeout=1800)
         record = json.loads(out.read_text())
     per_s = record["output_tokens_per_s"]
     return {

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +28,10 @@ from offline_throughput import make_prompts
 
 from common import (
     ROOT,
-    in_peer_env,
     machine,
     model_dir,
     peer_python,
+    run_in_peer_env,
     scenario_parser,
     table,
     update_readme,
@@ -231,7 +230,7 @@ def run_vllm(model: Path, plan: dict, output_len: int, repeats: int) -> dict:
             "--out",
             str(out),
         ]
-        subprocess.run(in_peer_env(command), check=True, timeout=3600, cwd=tempfile.gettempdir())
+        run_in_peer_env(command, timeout=3600, cwd=tempfile.gettempdir())
         return json.loads(out.read_text())
 
 

