@@ -156,14 +156,14 @@ class LLM:
         the folder does not normalise and `normalize` is None)."""
         config = read_pooling_config(self.args.model, pooling)
         check_dimensions(dimensions, self.engine.model_config.hidden_size)
-        params = SamplingParams(temperature=0.0, max_tokens=1, pooling=config.pooling)
         unit = config.normalize if normalize is None else normalize
+        outputs = self.generate(prompts, config.sampling_params(), lora_request=lora_request)
         return [
             EmbeddingOutput(
                 prompt_token_ids=output.prompt_token_ids,
                 embedding=finish_embedding(output.pooled or [], unit, dimensions),
             )
-            for output in self.generate(prompts, params, lora_request=lora_request)
+            for output in outputs
         ]
 
     def _loras_per_prompt(

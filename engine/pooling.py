@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tidegate.engine.sampling_params import SamplingParams
+
 # sentence-transformers' pooling modes -> the engine's; the others are refused.
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
@@ -33,6 +35,11 @@ class PoolingConfig:
 
     pooling: str
     normalize: bool
+
+    def sampling_params(self) -> SamplingParams:
+        """How an input is run to be embedded: greedy, ended by the one token it samples,
+        which carries the pooled vector (SamplingParams.pooling)."""
+        return SamplingParams(temperature=0.0, max_tokens=1, pooling=self.pooling)
 
 
 def read_pooling_config(model_dir: str | Path, pooling: str = "auto") -> PoolingConfig:

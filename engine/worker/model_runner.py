@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -377,21 +377,18 @@ class ModelRunner:
         the logits (the vocab-parallel LM head gathers across them); slices of at most
         _PROMPT_LOGPROBS_ROWS rows bound the float32 [rows, vocab] memory.
         """
-        starts = np.cumsum([0, *num_scheduled])
-        for i, state in enumerate(states):
-            if state.req_id not in self.prompt_logprobs_pending:
-                continue
+        chunks = self._pending_chunks(self.prompt_logprobs_pending, states, rows, num_scheduled)
+        for state, begin, size, row_of in chunks:
             ids, values, ranks = state.prompt_logprobs or ([], [], [])
-            begin = int(self.batch.num_computed_tokens[rows[i]])  # this chunk's first position
             # The next position whose prediction is missing, and the chunk's last one that
             # predicts a prompt token (the prompt's last position predicts the first output).
             first = max(begin, len(ids))
-            last = min(begin + num_scheduled[i], len(state.prompt_token_ids) - 1)
+            last = min(begin + size, len(state.prompt_token_ids) - 1)
             if first > len(ids):
                 raise RuntimeError(f"prompt logprobs of {state.req_id} skip a position")
             for lo in range(first, last, _PROMPT_LOGPROBS_ROWS):
                 hi = min(lo + _PROMPT_LOGPROBS_ROWS, last)
-                flat = int(starts[i]) + lo - begin
+                flat = row_of + lo
                 logits = self.model.compute_logits(hidden[flat : flat + hi - lo]).float()
                 targets = torch.tensor(
                     state.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.int64, device=logits.device
@@ -415,25 +412,37 @@ class ModelRunner:
         the start; a chunk recomputed after a preemption adds nothing twice. Copies, in
         float32: a CUDA graph's output buffer is overwritten by its next replay.
         """
-        starts = np.cumsum([0, *num_scheduled])
-        for i, state in enumerate(states):
-            if state.req_id not in self.pooling_pending:
-                continue
-            begin = int(self.batch.num_computed_tokens[rows[i]])  # this chunk's first position
+        chunks = self._pending_chunks(self.pooling_pending, states, rows, num_scheduled)
+        for state, begin, size, row_of in chunks:
             num_prompt = len(state.prompt_token_ids)
-            end = min(begin + num_scheduled[i], num_prompt)
-            flat = int(starts[i]) - begin  # hidden's row of position p is flat + p
+            end = min(begin + size, num_prompt)
             if state.sampling_params.pooling == "last":
-                if begin < num_prompt <= begin + num_scheduled[i]:
-                    state.pooled = hidden[flat + num_prompt - 1].to(torch.float32, copy=True)
+                if begin < num_prompt <= begin + size:
+                    state.pooled = hidden[row_of + num_prompt - 1].to(torch.float32, copy=True)
                 continue
             first = max(begin, state.pooled_upto)
             if first > state.pooled_upto:
                 raise RuntimeError(f"the mean pooling of {state.req_id} skips a position")
             if end > first:
-                chunk = hidden[flat + first : flat + end].to(torch.float32).sum(dim=0)
+                chunk = hidden[row_of + first : row_of + end].to(torch.float32).sum(dim=0)
                 state.pooled = chunk if state.pooled is None else state.pooled + chunk
                 state.pooled_upto = end
+
+    def _pending_chunks(
+        self,
+        pending: set[str],
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        num_scheduled: list[int],
+    ) -> Iterator[tuple[CachedRequestState, int, int, int]]:
+        """This step's chunks of the requests in `pending`, before the step's tokens count as
+        computed: (state, the chunk's first position, its tokens, and `row_of`: position p's
+        hidden state is row row_of + p of the step's flat batch)."""
+        starts = np.cumsum([0, *num_scheduled])
+        for i, state in enumerate(states):
+            if state.req_id in pending:
+                begin = int(self.batch.num_computed_tokens[rows[i]])
+                yield state, begin, num_scheduled[i], int(starts[i]) - begin
 
     def _pooled_vector(self, state: CachedRequestState) -> list[float]:
         """The request's pooled vector, on the step that samples its first token."""

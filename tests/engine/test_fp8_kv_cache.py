@@ -87,6 +87,23 @@ def transformers_fp8_kv_greedy(model_dir: Path, prompts) -> list[list[int]]:
     return greedy_of(fp8_kv_reference(model_dir), prompts, MAX_TOKENS)
 
 
+def chunked_fp8_llm(model_dir: Path, backend: str) -> LLM:
+    """An FP8-cache engine on `backend` whose prompts run in 7-token chunks, so that they read
+    their earlier chunks and cached prefixes back from the cache, as decodes do (skips the
+    test where the cpu backend's kernels cannot be built)."""
+    if backend == "cpu" and not cpu_kernels_available():
+        pytest.skip("the CPU kernels need x86-64, a C++ compiler and ninja")
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_dtype="fp8",
+        attention_backend=backend,
+        long_prefill_token_threshold=7,
+        num_gpu_blocks=512,
+    )
+
+
 def prompts_for(model_dir: Path):
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     return make_prompts(vocab)  # 1 to 330 tokens, three sharing a 100-token prefix
@@ -135,19 +152,9 @@ def test_an_fp8_cache_gives_the_tokens_of_attention_over_fp8_keys_and_values(
 ):
     """Chunked prompts (a 7-token cap) read their earlier chunks and cached prefixes back
     from the FP8 cache, as decodes do."""
-    if backend == "cpu" and not cpu_kernels_available():
-        pytest.skip("the CPU kernels need x86-64, a C++ compiler and ninja")
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = prompts_for(model_dir)
-    with LLM(
-        str(model_dir),
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_dtype="fp8",
-        attention_backend=backend,
-        long_prefill_token_threshold=7,
-        num_gpu_blocks=512,
-    ) as llm:
+    with chunked_fp8_llm(model_dir, backend) as llm:
         runner = llm.engine.executor.worker.runner
         assert runner.kv_caches[0][0].dtype == FP8 and runner.attn_backend.name == backend
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
@@ -267,21 +274,11 @@ def test_calibrated_scales_give_the_tokens_and_logprobs_of_attention_over_scaled
     hits and decodes as the unscaled test above, and the tokens and prompt logprobs are those
     of attention over FP8 keys and values with the calibrated scales; unscaled FP8 gives other
     logprobs, so the scales are what is tested."""
-    if backend == "cpu" and not cpu_kernels_available():
-        pytest.skip("the CPU kernels need x86-64, a C++ compiler and ninja")
     source = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = prompts_for(source)
     kv_scales = calibrate(source, prompts)
     folder = with_kv_scales(source, tmp_path / "kv-scales", kv_scales)
-    with LLM(
-        str(folder),
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_dtype="fp8",
-        attention_backend=backend,
-        long_prefill_token_threshold=7,
-        num_gpu_blocks=512,
-    ) as llm:
+    with chunked_fp8_llm(folder, backend) as llm:
         model = llm.engine.executor.worker.runner.model
         attention = [layer.self_attn for layer in model.model.layers]
         assert [a.kv_scales for a in attention] == [kv_scales[i] for i in range(len(attention))]

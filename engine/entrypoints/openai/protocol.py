@@ -146,6 +146,14 @@ class SamplingRequest(ConstrainedRequest):
         )
 
 
+def _batch(prompt: Any) -> list[str | list[int]]:
+    """A checked prompt (`_check_prompt`) as a batch: one string or token-id list is one
+    prompt (the empty list too: an empty prompt), a list of them is several."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
 def _check_prompt(prompt: Any, name: str = "prompt") -> Any:
     def is_ids(value: Any) -> bool:
         return isinstance(value, list) and all(
@@ -216,10 +224,7 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch, each a string or a token-id list."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return _batch(self.prompt)
 
 
 class ChatMessage(RequestBody):
@@ -524,9 +529,7 @@ class EmbeddingRequest(RequestBody):
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
         value = _check_prompt(value, "input")  # the shapes of a completion's prompt
-        inputs = (
-            [value] if isinstance(value, str) or not value or isinstance(value[0], int) else value
-        )
+        inputs = _batch(value)
         if any(len(item) == 0 for item in inputs):
             raise ValueError("input must not be empty (nor hold an empty string or token list)")
         if len(inputs) > MAX_EMBEDDING_INPUTS:
@@ -537,7 +540,4 @@ class EmbeddingRequest(RequestBody):
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs, each a string or a token-id list."""
-        value = self.input
-        if isinstance(value, str) or isinstance(value[0], int):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+        return _batch(self.input)

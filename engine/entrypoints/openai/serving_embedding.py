@@ -9,8 +9,6 @@ says (pooling.py): cut to `dimensions`, normalised, and encoded as floats or bas
 
 from __future__ import annotations
 
-import time
-
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
@@ -31,7 +29,6 @@ from tidegate.engine.entrypoints.openai.responses import (
 )
 from tidegate.engine.messages import LoRARequest
 from tidegate.engine.pooling import PoolingConfig, base64_embedding, finish_embedding
-from tidegate.engine.sampling_params import SamplingParams
 
 
 class EmbeddingServing:
@@ -40,7 +37,6 @@ class EmbeddingServing:
     def __init__(self, engine: EngineClient, pooling: PoolingConfig) -> None:
         self.engine = engine
         self.pooling = pooling
-        self.params = SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling.pooling)
 
     async def create(
         self,
@@ -55,7 +51,7 @@ class EmbeddingServing:
             self.engine,
             engine_id,
             body.inputs(),
-            self.params,
+            self.pooling.sampling_params(),
             1,
             body.cache_salt,
             None,
@@ -78,7 +74,6 @@ class EmbeddingServing:
         prompt_tokens = sum(state.num_prompt_tokens for state in states)
         response = EmbeddingResponse(
             id=request_id,
-            created=int(time.time()),
             model=body.model,
             data=data,
             usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
