@@ -88,6 +88,7 @@ class AsyncLLM:
             max_model_len=max_model_len,
             eos_token_ids=model_eos_token_ids(model_config, tokenizer),
             priority_scheduling=scheduling_policy == "priority",
+            classifier=model_config.is_classifier,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}

@@ -30,8 +30,11 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: set[int],
         priority_scheduling: bool = False,
+        classifier: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # A sequence classifier's engine pools and classifies prompts; it samples no token.
+        self.classifier = classifier
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -65,6 +68,11 @@ class InputProcessor:
                 f"priority {priority} needs a server started with --scheduling-policy priority; "
                 "this one takes only priority 0"
             )
+        if self.classifier and params.pooling is None:
+            raise ValueError(
+                "this model is a sequence classifier: it classifies and scores prompts "
+                "(/classify, /score, /rerank), and generates no text"
+            )
         if params.pooling is not None and kv_transfer is not None:
             raise ValueError("an embedding is computed on this instance: no kv_transfer_params")
         if params.prompt_logprobs is not None and kv_transfer is not None:
@@ -74,9 +82,10 @@ class InputProcessor:
             )
         token_ids = self.prompt_token_ids(prompt)
         if params.pooling is not None and len(token_ids) >= self.max_model_len:
-            # Embedded, with the one token the engine samples to finish the request.
+            # Pooled, with room for the one token that ends the request.
             raise ValueError(
-                f"the input has {len(token_ids):,} tokens; this model embeds at most "
+                f"the input has {len(token_ids):,} tokens; this model "
+                f"{'classifies' if self.classifier else 'embeds'} at most "
                 f"{self.max_model_len - 1:,} (max_model_len is {self.max_model_len:,})"
             )
         self.check_prompt(token_ids)

@@ -14,9 +14,25 @@ from tidegate.engine.input_processor import InputProcessor, model_eos_token_ids
 from tidegate.engine.lora.registry import LoRARegistry
 from tidegate.engine.messages import LoRARequest
 from tidegate.engine.output_processor import OutputProcessor
-from tidegate.engine.outputs import EmbeddingOutput, RequestOutput
-from tidegate.engine.pooling import check_dimensions, finish_embedding, read_pooling_config
+from tidegate.engine.outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    RequestOutput,
+    ScoringOutput,
+)
+from tidegate.engine.pooling import (
+    CLASSIFIER_POOLING,
+    check_dimensions,
+    finish_embedding,
+    read_pooling_config,
+)
 from tidegate.engine.sampling_params import SamplingParams
+from tidegate.engine.scoring import (
+    class_probabilities,
+    cosine_similarity,
+    read_score_activation,
+    score_pairs,
+)
 from tidegate.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -49,6 +65,7 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             eos_token_ids=model_eos_token_ids(self.engine.model_config, self.tokenizer),
             priority_scheduling=self.args.scheduling_policy == "priority",
+            classifier=self.engine.model_config.is_classifier,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -154,6 +171,11 @@ class LLM:
         states pooled as the model folder says (pooling.py) unless `pooling` ("last", "mean")
         does, its first `dimensions` values kept, normalised unless `normalize` is False (or
         the folder does not normalise and `normalize` is None)."""
+        if self.engine.model_config.is_classifier:
+            raise ValueError(
+                "this model is a sequence classifier: what it pools is its labels' logits, "
+                "not an embedding (classify and score use them)"
+            )
         config = read_pooling_config(self.args.model, pooling)
         check_dimensions(dimensions, self.engine.model_config.hidden_size)
         unit = config.normalize if normalize is None else normalize
@@ -165,6 +187,68 @@ class LLM:
             )
             for output in outputs
         ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+    ) -> list[ClassificationOutput]:
+        """A sequence classifier's verdict on each prompt (text or token ids), in prompt
+        order: each label's logit, their probabilities (scoring.class_probabilities) and the
+        likeliest label."""
+        labels = self._classifier_labels()
+        outputs = self.generate(prompts, CLASSIFIER_POOLING, lora_request=lora_request)
+        results = []
+        for output in outputs:
+            logits = output.pooled or []
+            probs = class_probabilities(logits)
+            label = labels[max(range(len(probs)), key=probs.__getitem__)]
+            results.append(ClassificationOutput(output.prompt_token_ids, logits, probs, label))
+        return results
+
+    def score(
+        self,
+        text_1: str | list[str],
+        text_2: str | list[str],
+        lora_request: LoRARequest | str | None = None,
+    ) -> list[ScoringOutput]:
+        """Scores of text pairs (one text_1 with each text_2, or two lists pairwise): a
+        cross-encoder's (a one-label classifier's) activated logit of each pair read as one
+        prompt, or an embedding model's cosine similarity of the two texts' vectors."""
+        pairs = score_pairs(text_1, text_2)
+        config = self.engine.model_config
+        if config.is_classifier:
+            if len(config.labels) != 1:
+                raise ValueError(
+                    f"this classifier has {len(config.labels)} labels; a score comes from a "
+                    "one-label classifier (a cross-encoder) or an embedding model"
+                )
+            activation = read_score_activation(self.args.model, 1)
+            prompts = [self.tokenizer.encode_pair(a, b) for a, b in pairs]
+            outputs = self.generate(prompts, CLASSIFIER_POOLING, lora_request=lora_request)
+            return [
+                ScoringOutput(activation((o.pooled or [0.0])[0]), len(o.prompt_token_ids))
+                for o in outputs
+            ]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = self.embed(texts, lora_request=lora_request)
+        by_text = dict(zip(texts, embedded, strict=True))
+        return [
+            ScoringOutput(
+                cosine_similarity(by_text[a].embedding, by_text[b].embedding),
+                len(by_text[a].prompt_token_ids) + len(by_text[b].prompt_token_ids),
+            )
+            for a, b in pairs
+        ]
+
+    def _classifier_labels(self) -> tuple[str, ...]:
+        labels = self.engine.model_config.labels
+        if not labels:
+            raise ValueError(
+                f"{self.args.model} is not a sequence classifier (its architecture ends in an "
+                "LM head): it generates and embeds; classify needs *ForSequenceClassification"
+            )
+        return labels
 
     def _loras_per_prompt(
         self, lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None, count: int

@@ -60,3 +60,23 @@ class EmbeddingOutput:
 
     prompt_token_ids: list[int]
     embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's classification (LLM.classify): its tokens, the classifier's logit of
+    each label, their probabilities, and the likeliest label."""
+
+    prompt_token_ids: list[int]
+    logits: list[float]
+    probs: list[float]
+    label: str
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (LLM.score): a cross-encoder's activated logit of the pair, or the
+    cosine similarity of an embedding model's two vectors; the tokens it took."""
+
+    score: float
+    num_prompt_tokens: int

@@ -42,6 +42,11 @@ class PoolingConfig:
         return SamplingParams(temperature=0.0, max_tokens=1, pooling=self.pooling)
 
 
+# How a sequence classifier's prompt is run: its last token's final hidden state, which the
+# runner passes through the classifier's score head (ModelRunner._pooled_vector).
+CLASSIFIER_POOLING = SamplingParams(temperature=0.0, max_tokens=1, pooling="last")
+
+
 def read_pooling_config(model_dir: str | Path, pooling: str = "auto") -> PoolingConfig:
     """The folder's pooling, or `pooling` ("last", "mean") when it is not "auto"; a ValueError
     names a folder's pooling the engine does not do (CLS, max, weighted mean: encoder models'

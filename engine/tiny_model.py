@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tidegate.engine.model.config import ModelConfig
+from tidegate.engine.model.config import SEQUENCE_CLASSIFIERS, ModelConfig
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -199,8 +199,12 @@ def make_tiny_model(
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
     quantize: str | None = None,
+    num_labels: int = 0,
 ) -> Path:
-    """Write the model folder to out_dir; the same arguments always give the same bytes."""
+    """Write the model folder to out_dir; the same arguments always give the same bytes.
+
+    With `num_labels`, a sequence classifier (the architecture's *ForSequenceClassification:
+    a `score` head of that many labels in place of the LM head, the same decoder weights)."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ValueError(
             f"quantize {quantize!r} is not supported; choose {', '.join(QUANTIZATIONS)}"
@@ -217,6 +221,8 @@ def make_tiny_model(
     weights = _random_weights(config, tokenizer.get_vocab_size(), seed)
     if arch == "phi3":
         _fuse_projections(weights, config["num_hidden_layers"])
+    if num_labels:
+        _as_classifier(config, weights, num_labels, seed)
     if quantize is not None:
         block = 32 if size == "tiny" else 128
         config["quantization_config"] = QUANTIZATIONS[quantize](weights, block)
@@ -231,6 +237,26 @@ def make_tiny_model(
     # safetensors writes 0600; give it the permissions of the files written above.
     (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)
     return out
+
+
+def _as_classifier(
+    config: dict[str, Any], weights: dict[str, torch.Tensor], num_labels: int, seed: int
+) -> None:
+    """Make the folder a sequence classifier: its *ForSequenceClassification architecture,
+    labels, and a random `score` head [num_labels, hidden] instead of the LM head."""
+    name = config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    if name not in SEQUENCE_CLASSIFIERS or num_labels < 1:
+        raise ValueError(f"no sequence classifier of {num_labels} labels for {name}")
+    labels = [f"LABEL_{i}" for i in range(num_labels)]
+    config["architectures"] = [name]
+    config["id2label"] = dict(enumerate(labels))
+    config["label2id"] = {label: i for i, label in enumerate(labels)}
+    config["pad_token_id"] = PAD_ID  # transformers' classifiers find each row's last token by it
+    weights.pop("lm_head.weight", None)
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    score = torch.randn(num_labels, hidden, generator=generator) * GAIN / math.sqrt(hidden)
+    weights["score.weight"] = score.to(getattr(torch, config["torch_dtype"]))
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:

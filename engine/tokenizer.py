@@ -48,6 +48,11 @@ class Tokenizer:
         """Token ids of text; special tokens per the tokenizer's post-processor."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of two texts read as one prompt, as the tokenizer's post-processor joins
+        a pair (what a cross-encoder was trained on)."""
+        return self.hf.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

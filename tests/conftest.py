@@ -67,6 +67,7 @@ TIMING_FREE_E2E = frozenset(
         "tests/e2e/test_fuzzed_requests.py",
         "tests/e2e/test_lora_serve.py",
         "tests/e2e/test_openai_client.py",
+        "tests/e2e/test_scoring_serve.py",
         "tests/e2e/test_spec_decode_serve.py",
         "tests/e2e/test_tenancy.py",
     }

@@ -20,7 +20,14 @@ from tidegate.engine.entrypoints.args import add_engine_args, engine_args_from
 def _make_tiny_model(ns: argparse.Namespace) -> int:
     from tidegate.engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(ns.dir, arch=ns.arch, size=ns.size, seed=ns.seed, quantize=ns.quantize)
+    path = make_tiny_model(
+        ns.dir,
+        arch=ns.arch,
+        size=ns.size,
+        seed=ns.seed,
+        quantize=ns.quantize,
+        num_labels=ns.num_labels,
+    )
     print(path)
     return 0
 
@@ -118,6 +125,13 @@ def add_make_tiny_model(parser: argparse.ArgumentParser, config: dict[str, Any] 
         default=None,
         help="write an FP8 checkpoint: 32 x 32 blocks (128 x 128 for small) as transformers' "
         "fp8, or per channel / per tensor as compressed-tensors",
+    )
+    parser.add_argument(
+        "--num-labels",
+        type=int,
+        default=0,
+        help="write a sequence classifier of this many labels (1: a reranker) instead of a "
+        "causal LM: the same decoder with a score head (*ForSequenceClassification)",
     )
     parser.set_defaults(handler=_make_tiny_model)
 

@@ -20,6 +20,19 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM",
 )
+# Sequence classifiers (transformers' *ForSequenceClassification): the causal model's decoder
+# with a `score` head, [num_labels, hidden], on the last token's final hidden state in place
+# of the LM head. Rerankers (cross-encoders) are such models with one label.
+SEQUENCE_CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "MixtralForSequenceClassification": "MixtralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "Qwen3MoeForSequenceClassification": "Qwen3MoeForCausalLM",
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Phi3ForSequenceClassification": "Phi3ForCausalLM",
+}
 # Multimodal architectures whose language model is served on its own: text in, text out, and
 # their vision tower and projector left unread.
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -134,6 +147,14 @@ class ModelConfig:
     # Leading dims of each head that RoPE rotates (Phi-4-mini's partial_rotary_factor 0.75);
     # None: all of them.
     rotary_dim: int | None = None
+    # A sequence classifier's labels, by index (id2label); empty for a causal LM.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the model ends in a classification head (SEQUENCE_CLASSIFIERS), not an LM
+        head: it scores prompts and generates nothing."""
+        return bool(self.labels)
 
     def window(self, layer: int) -> int:
         """Decoder layer `layer`'s sliding window (0: full attention)."""
@@ -215,6 +236,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos: list[int] | None = None) -> ModelConfig:
         """Build from the parsed config.json; extra_eos come from generation_config.json."""
+        names = raw.get("architectures") or []
+        causal = next((SEQUENCE_CLASSIFIERS[n] for n in names if n in SEQUENCE_CLASSIFIERS), None)
+        if causal is not None:
+            config = cls.from_dict({**raw, "architectures": [causal]}, extra_eos)
+            return dataclasses.replace(config, labels=_labels(raw))
         architecture = _architecture(raw)
         if architecture in TEXT_OF_MULTIMODAL:
             text = cls.from_dict(_language_model_config(architecture, raw), extra_eos)
@@ -297,8 +323,23 @@ def _architecture(raw: dict[str, Any]) -> str:
             return name
     raise ValueError(
         f"model architecture {names or raw.get('model_type')!r} is not supported; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *SEQUENCE_CLASSIFIERS))}"
     )
+
+
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels in index order, as transformers reads them: id2label, else
+    num_labels (default 2) named LABEL_0, LABEL_1, ..."""
+    id2label = raw.get("id2label")
+    if id2label:
+        by_index = {int(index): str(label) for index, label in id2label.items()}
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"config.json's id2label must number its labels 0 to n-1: {id2label}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    count = raw.get("num_labels", 2)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"config.json's num_labels must be a positive integer, got {count!r}")
+    return tuple(f"LABEL_{i}" for i in range(count))
 
 
 def _language_model_config(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tidegate.engine.distributed.parallel_state import (
 from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.model.layers import (
     GATES,
+    Linear,
     LMHead,
     MergedLinear,
     QKVLinear,
@@ -235,7 +236,17 @@ class LlamaForCausalLM(nn.Module):
         for module in self.model.modules():
             if isinstance(module, LlamaAttention):
                 module.layer_op = layer_op
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size) if is_last_stage() else None
+        last = is_last_stage()
+        self.lm_head = None
+        if last and not config.is_classifier:
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        # A sequence classifier's head (transformers' `score`): small, whole on every rank,
+        # and never FP8 (quantizers leave it alone, as they leave the LM head).
+        self.score: Linear | None = None
+        if last and config.is_classifier:
+            self.score = Linear(config.hidden_size, len(config.labels))
+            if self.score.weight_scale is not None:
+                self.score.hold_full_precision()
         if self.lm_head is not None and config.tie_word_embeddings and self.model.first_stage:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -265,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
             return self.model.last_stage
         if name.startswith("lm_head."):
             return self.lm_head is not None
+        if name.startswith("score."):
+            return self.score is not None
         return True
 
     def forward(
@@ -283,7 +296,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden that need sampling (last stage)."""
+        if self.config.is_classifier:
+            raise RuntimeError("a sequence classifier has no LM head: it samples no token")
         assert self.lm_head is not None, "logits are computed on the last pipeline stage"
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's float32 logits [N, labels] of pooled final hidden states
+        [N, hidden] (last stage), computed in the model's dtype as transformers does."""
+        assert self.score is not None, "only a sequence classifier's last stage classifies"
+        return self.score(hidden.to(self.score.dtype)).float()

@@ -33,7 +33,7 @@ from tidegate.engine.entrypoints.openai.errors import (
 from tidegate.engine.entrypoints.openai.pd_bodies import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    EMBEDDINGS_PATH,
+    POOLING_PATHS,
 )
 from tidegate.engine.router import errors
 from tidegate.engine.router.epp import serve_endpoint_picker
@@ -47,7 +47,7 @@ logger = logging.getLogger("tidegate.router")
 ROUTED_PATHS = (
     COMPLETIONS_PATH,
     CHAT_PATH,
-    EMBEDDINGS_PATH,
+    *POOLING_PATHS,
     "/v1/models",
     "/health",
     "/live",
@@ -115,8 +115,9 @@ def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlet
     routes = [
         Route(COMPLETIONS_PATH, _completion, methods=["POST"]),
         Route(CHAT_PATH, _completion, methods=["POST"]),
-        # One leg to a decode (or unified) instance, which computes the input itself.
-        Route(EMBEDDINGS_PATH, _completion, methods=["POST"]),
+        # Embeddings, classification, scores and reranking: one leg to a decode (or unified)
+        # instance, which computes the inputs itself.
+        *(Route(path, _completion, methods=["POST"]) for path in POOLING_PATHS),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/live", _live, methods=["GET"]),
@@ -134,7 +135,7 @@ def build_app(args: RouterArgs, api_key: APIKeys | str | None = None) -> Starlet
             TenantLimitMiddleware,
             per_instance=args.max_in_flight_per_tenant,
             instances=lambda: len(app.state.proxy.pools["decode"].healthy()),
-            paths=(COMPLETIONS_PATH, CHAT_PATH, EMBEDDINGS_PATH),
+            paths=(COMPLETIONS_PATH, CHAT_PATH, *POOLING_PATHS),
             cache_salt_header=args.cache_salt_header,
             keyed=keys is not None,
         )

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 # Rows of prompt logits computed at once for prompt_logprobs: 256 x a 128k vocabulary in
 # float32 is 128 MiB.
 _PROMPT_LOGPROBS_ROWS = 256
+# The token that ends a pooling request (SamplingParams.pooling): never sampled, and dropped
+# with the request's text; its vector is what the request is for.
+POOLED_TOKEN = 0
 
 
 class ModelRunner:
@@ -319,22 +322,41 @@ class ModelRunner:
         if self.pooling_pending:
             self._pool(hidden, states, rows, num_scheduled)
         if step.sampling_rows:
-            logits = self.model.compute_logits(hidden[step.logits_indices])
             sampling = [states[i] for i in step.sampling_rows]
             proposed = [guesses.get(s.req_id, []) for s in sampling] if guesses else None
-            # A sampling request has a row of logits per position it samples at.
-            logit_rows = sampling
-            if proposed is not None:
-                logit_rows = [
-                    s for s, p in zip(sampling, proposed, strict=True) for _ in range(len(p) + 1)
-                ]
-            grammar = self._grammar_rows(so.grammar, logit_rows, logits.device)
-            output, tokens = self._sample_on_rank_0(logits, sampling, grammar, proposed)
+            # A pooling request's one token only ends it: it is not sampled (no LM head row;
+            # a classifier has no LM head), and any guesses it had count as rejected.
+            drawn = [j for j, s in enumerate(sampling) if s.sampling_params.pooling is None]
+            kept = [[POOLED_TOKEN] for _ in sampling]
+            output = None
+            if drawn:
+                sub = [sampling[j] for j in drawn]
+                sub_proposed = [proposed[j] for j in drawn] if proposed is not None else None
+                # A sampling request has a row of logits per position it samples at.
+                counts = [len(p) + 1 for p in proposed] if proposed is not None else None
+                indices = step.logits_indices
+                if len(sub) < len(sampling):
+                    starts = np.cumsum([0, *(counts or [1] * len(sampling))])
+                    picked = [k for j in drawn for k in range(starts[j], starts[j + 1])]
+                    indices = indices[torch.as_tensor(picked, device=indices.device)]
+                logits = self.model.compute_logits(hidden[indices])
+                logit_rows = sub
+                if sub_proposed is not None:
+                    logit_rows = [
+                        s for s, p in zip(sub, sub_proposed, strict=True) for _ in range(len(p) + 1)
+                    ]
+                grammar = self._grammar_rows(so.grammar, logit_rows, logits.device)
+                output, tokens = self._sample_on_rank_0(logits, sub, grammar, sub_proposed)
+                sub_kept = (
+                    [[token] for token in tokens]
+                    if sub_proposed is None
+                    else accepted_tokens(tokens, sub_proposed)
+                )
+                for j, new in zip(drawn, sub_kept, strict=True):
+                    kept[j] = new
             if proposed is None:
-                kept = [[token] for token in tokens]
-                self.batch.append_tokens(rows[step.sampling_rows], tokens)
+                self.batch.append_tokens(rows[step.sampling_rows], [new[0] for new in kept])
             else:
-                kept = accepted_tokens(tokens, proposed)
                 self.batch.append_token_lists(rows[step.sampling_rows].tolist(), kept)
             for row, state, new in zip(step.sampling_rows, sampling, kept, strict=True):
                 state.output_token_ids.extend(new)
@@ -348,7 +370,7 @@ class ModelRunner:
                 if state.req_id in self.pooling_pending:
                     pooled[state.req_id] = self._pooled_vector(state)
             if output is not None and output.logprobs is not None:
-                logprobs = self._logprobs_lists(output, sampling, kept, proposed)
+                logprobs = self._logprobs_lists(output, sub, [kept[j] for j in drawn], sub_proposed)
             if proposed is not None:
                 # Guesses not kept were computed from wrong tokens: they count as not computed.
                 for row, proposal, new in zip(step.sampling_rows, proposed, kept, strict=True):
@@ -453,6 +475,8 @@ class ModelRunner:
             vector = vector / len(state.prompt_token_ids)
         state.pooled = None
         self.pooling_pending.discard(state.req_id)
+        if self.model_config.is_classifier:
+            vector = self.model.classify(vector.unsqueeze(0))[0]  # the labels' logits
         return vector.tolist()
 
     def _grammar_rows(

@@ -315,6 +315,31 @@ def test_embeddings_match_the_offline_engine_as_floats_and_base64(client, offlin
     assert raw == pytest.approx(offline.embed(PROMPTS[2], normalize=False)[0].embedding, abs=1e-4)
 
 
+def test_an_embedding_model_scores_and_reranks_by_cosine_similarity(offline, server):
+    """The shared server's model is no classifier: /score and /rerank compare its embeddings."""
+    documents = [PROMPTS[1], PROMPTS[0] + " and goes out again", PROMPTS[0]]
+    want = [s.score for s in offline.score(PROMPTS[0], documents)]
+    scored = httpx.post(
+        f"{server.base_url}/score",
+        json={"model": SERVED_NAME, "text_1": PROMPTS[0], "text_2": documents},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-4)
+    assert want[2] == pytest.approx(1.0)
+    ranked = httpx.post(
+        f"{server.base_url}/v1/rerank",
+        json={"model": SERVED_NAME, "query": PROMPTS[0], "documents": documents, "top_n": 2},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -want[i])[:2]
+    refused = httpx.post(
+        f"{server.base_url}/classify",
+        json={"model": SERVED_NAME, "input": "the tide"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert refused.status_code == 400 and "not a sequence classifier" in refused.text
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

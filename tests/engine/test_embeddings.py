@@ -154,3 +154,37 @@ def test_finishing_a_vector():
     assert decoded == pytest.approx([0.5, -1.25, math.pi], rel=1e-7)
     with pytest.raises(ValueError, match="pooling must be one of None, last, mean"):
         SamplingParams(pooling="cls")
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_pooling_requests_skip_the_lm_head(tiny_llama_dir, speculative):
+    """A pooling request's one token only ends it: its row never reaches the LM head, and the
+    completions sampled beside it (with n-gram guesses too) are those of a batch without it."""
+    from tests.engine.test_spec_decode_model import SPEC
+
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10]]
+    complete = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    embed = SamplingParams(temperature=0.0, max_tokens=1, pooling="last")
+    args = SPEC if speculative else {}
+    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, **args) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, complete)]
+        model = llm.engine.executor.worker.runner.model
+        rows: list[int] = []
+        original = model.compute_logits
+
+        def counting(hidden: torch.Tensor) -> torch.Tensor:
+            rows.append(hidden.shape[0])
+            return original(hidden)
+
+        model.compute_logits = counting
+        outputs = llm.generate([p[::-1] for p in prompts] + prompts, [embed] * 2 + [complete] * 2)
+        assert [o.outputs[0].token_ids for o in outputs[2:]] == alone
+        assert all(o.pooled is not None and len(o.outputs[0].token_ids) == 1 for o in outputs[:2])
+        # Every row of logits belongs to a completion: 6 tokens each, plus guesses checked.
+        assert sum(rows) >= 12
+        if not speculative:
+            assert sum(rows) == 12
+        before = len(rows)
+        llm.embed([prompts[1], prompts[0][::-1]])
+        assert len(rows) == before  # a batch of embeddings alone computes no logits at all
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]

@@ -26,6 +26,7 @@ from tidegate.engine.core.scheduler import Scheduler
 from tidegate.engine.core.step_budget import StepLimits
 from tidegate.engine.distributed.parallel_state import stage_layers
 from tidegate.engine.messages import ModelRunnerOutput
+from tidegate.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LONG_PROMPT = "The tide comes in and the tide goes out, " * 12
@@ -105,6 +106,17 @@ def test_two_stages_embed_as_one_does(tiny_llama_dir):
                 o.embedding for pooling in ("last", "mean") for o in llm.embed(PROMPTS, pooling)
             ]
     for got, want in zip(embeddings[2], embeddings[1], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_two_stages_classify_as_one_does(tmp_path):
+    """Only the last stage holds the score head; the first holds neither it nor an LM head."""
+    folder = make_tiny_model(tmp_path / "classifier", arch="llama", num_labels=3)
+    logits = {}
+    for stages in (1, 2):
+        with LLM(str(folder), **ENGINE, pipeline_parallel_size=stages) as llm:
+            logits[stages] = [o.logits for o in llm.classify(PROMPTS)]
+    for got, want in zip(logits[2], logits[1], strict=True):
         assert got == pytest.approx(want, abs=1e-5)
 
 

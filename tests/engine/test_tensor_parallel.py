@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.server import ServerProcess
 from tidegate.engine import LLM, SamplingParams
 from tidegate.engine.sampling_params import StructuredOutputsParams
+from tidegate.engine.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Longer than the step budget below, so its prefill is computed in chunks.
@@ -154,6 +155,17 @@ def test_two_ranks_with_async_scheduling_embed_as_one_rank_does(tiny_llama_dir):
                 o.embedding for pooling in ("last", "mean") for o in llm.embed(PROMPTS, pooling)
             ]
     for got, want in zip(embeddings[2], embeddings[1], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_two_ranks_classify_as_one_rank_does(tmp_path):
+    """The score head is whole on every rank, over the same gathered hidden state."""
+    folder = make_tiny_model(tmp_path / "classifier", arch="llama", num_labels=3)
+    logits = {}
+    for size in (1, 2):
+        with LLM(str(folder), tensor_parallel_size=size, async_scheduling=True, **ENGINE) as llm:
+            logits[size] = [o.logits for o in llm.classify(PROMPTS)]
+    for got, want in zip(logits[2], logits[1], strict=True):
         assert got == pytest.approx(want, abs=1e-5)
 
 

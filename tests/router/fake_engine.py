@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tidegate.common.local_server import free_port
+from tidegate.engine.entrypoints.openai.pd_bodies import POOLING_PATHS
 from tidegate.engine.http_server import DRAINING_HEADER
 
 DEADLINE_S = 10.0
@@ -71,7 +72,7 @@ class FakeEngine:
             routes=[
                 Route("/v1/completions", self._completion, methods=["POST"]),
                 Route("/v1/chat/completions", self._completion, methods=["POST"]),
-                Route("/v1/embeddings", self._completion, methods=["POST"]),
+                *(Route(path, self._completion, methods=["POST"]) for path in POOLING_PATHS),
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),

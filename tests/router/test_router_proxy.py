@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from tests.router.conftest import wait_until
 from tests.router.fake_engine import DECODE_CHUNKS
 
@@ -104,6 +106,26 @@ def test_embeddings_go_to_a_decode_instance_in_one_leg(pd):
     assert (sent.path, sent.body) == ("/v1/embeddings", body)
     assert sent.headers["x-request-id"] == "emb-1"
     assert "tidegate:router_prefill_skipped_total 1.0" in router.metrics()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/classify", {"input": ["Once upon a time", "the end"]}),
+        ("/v1/score", {"text_1": "Once upon a time", "text_2": ["a", "b"]}),
+        ("/rerank", {"query": "Once upon a time", "documents": ["a", "b"]}),
+        ("/v2/rerank", {"query": "Once upon a time", "documents": ["a"], "top_n": 1}),
+    ],
+)
+def test_classification_and_scores_go_to_a_decode_instance_in_one_leg(pd, path, body):
+    """Like embeddings, they pool what the instance computes itself."""
+    prefill, decode, router = pd
+    body = {"model": "tiny", **body}
+    headers = {"Authorization": "Bearer k"}
+    assert router.client.post(path, json=body, headers=headers).status_code == 200
+    assert prefill.engine.received == []
+    [sent] = decode.engine.received
+    assert (sent.path, sent.body) == (path, body)
 
 
 def test_a_single_prompt_of_token_ids_is_prefilled(pd):

@@ -28,8 +28,11 @@ from tidegate.engine.entrypoints.openai.openapi import (
 )
 from tidegate.engine.entrypoints.openai.pd_bodies import (
     CHAT_PATH,
+    CLASSIFY_PATHS,
     COMPLETIONS_PATH,
     EMBEDDINGS_PATH,
+    RERANK_PATHS,
+    SCORE_PATHS,
 )
 from tidegate.engine.entrypoints.openai.prefill_via_header import (
     AllowedHosts,
@@ -37,33 +40,42 @@ from tidegate.engine.entrypoints.openai.prefill_via_header import (
 )
 from tidegate.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from tidegate.engine.entrypoints.openai.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ClassificationResponse,
     CompletionResponse,
     DetokenizeResponse,
     EmbeddingResponse,
     ModelCard,
     ModelList,
+    RerankResponse,
+    ScoreResponse,
     TokenizeResponse,
 )
 from tidegate.engine.entrypoints.openai.serving_chat import ChatServing
 from tidegate.engine.entrypoints.openai.serving_completion import CompletionServing
 from tidegate.engine.entrypoints.openai.serving_embedding import EmbeddingServing
 from tidegate.engine.entrypoints.openai.serving_lora import LoRAServing
+from tidegate.engine.entrypoints.openai.serving_score import ScoringServing
 from tidegate.engine.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from tidegate.engine.entrypoints.openai.tenants import request_tenant
 from tidegate.engine.errors import EngineDeadError
 from tidegate.engine.http_server import Drain
 from tidegate.engine.messages import LoRARequest
+from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.pooling import read_pooling_config
+from tidegate.engine.scoring import read_score_activation
 
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -149,10 +161,24 @@ def build_app(
     # embedding requests are refused with the reason.
     embeddings: EmbeddingServing | None = None
     no_embeddings = ""
-    try:
-        embeddings = EmbeddingServing(engine, read_pooling_config(model_path, pooling))
-    except ValueError as error:
-        no_embeddings = str(error)
+    labels = ModelConfig.from_pretrained(model_path).labels
+    if labels:
+        no_embeddings = (
+            "it serves a sequence classifier, whose pooled output is its labels' logits "
+            "(/classify, and /score and /rerank with one label)"
+        )
+    else:
+        try:
+            embeddings = EmbeddingServing(engine, read_pooling_config(model_path, pooling))
+        except ValueError as error:
+            no_embeddings = str(error)
+    scoring = ScoringServing(
+        engine,
+        labels,
+        read_score_activation(model_path, len(labels)) if labels else None,
+        embeddings.pooling if embeddings is not None else None,
+        no_embeddings,
+    )
     created = int(time.time())
 
     def check_model(name: str | None) -> None:
@@ -167,7 +193,13 @@ def build_app(
         return loras.resolve(name)
 
     def salt(
-        body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest, request: HTTPRequest
+        body: CompletionRequest
+        | ChatCompletionRequest
+        | EmbeddingRequest
+        | ClassificationRequest
+        | ScoreRequest
+        | RerankRequest,
+        request: HTTPRequest,
     ) -> None:
         if cache_salt_header is not None:
             body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
@@ -227,6 +259,50 @@ def build_app(
         if embeddings is None:
             raise ValueError(f"this server embeds nothing: {no_embeddings}")
         return await embeddings.create(body, request, lora, tenant(request))
+
+    for path in CLASSIFY_PATHS:
+
+        @app.post(
+            path,
+            response_model=ClassificationResponse,
+            responses=error_responses("4XX"),
+            include_in_schema=path.startswith("/v1/"),  # the others are aliases
+        )
+        async def create_classification(
+            body: ClassificationRequest, request: HTTPRequest
+        ) -> Response:
+            check_alive()
+            lora = resolve_model(body.model)
+            salt(body, request)
+            return await scoring.classify(body, request, lora, tenant(request))
+
+    for path in SCORE_PATHS:
+
+        @app.post(
+            path,
+            response_model=ScoreResponse,
+            responses=error_responses("4XX"),
+            include_in_schema=path.startswith("/v1/"),  # the others are aliases
+        )
+        async def create_score(body: ScoreRequest, request: HTTPRequest) -> Response:
+            check_alive()
+            lora = resolve_model(body.model)
+            salt(body, request)
+            return await scoring.score(body, request, lora, tenant(request))
+
+    for path in RERANK_PATHS:
+
+        @app.post(
+            path,
+            response_model=RerankResponse,
+            responses=error_responses("4XX"),
+            include_in_schema=path.startswith("/v1/"),  # the others are aliases
+        )
+        async def create_rerank(body: RerankRequest, request: HTTPRequest) -> Response:
+            check_alive()
+            lora = resolve_model(body.model)
+            salt(body, request)
+            return await scoring.rerank(body, request, lora, tenant(request), served_model_names[0])
 
     @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:

@@ -13,6 +13,12 @@ from typing import Any
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+# vLLM's classification and scoring routes (serving_score.py); /rerank also in Jina's and
+# Cohere's versioned paths. Like embeddings, they pool prompts on the instance they reach.
+CLASSIFY_PATHS = ("/classify", "/v1/classify")
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+POOLING_PATHS = (EMBEDDINGS_PATH, *CLASSIFY_PATHS, *SCORE_PATHS, *RERANK_PATHS)
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # Where an endpoint picker names the prefill instance of a request it sends to a decode one.
 PREFILLER_HEADER = "x-prefiller-host-port"

@@ -528,16 +528,99 @@ class EmbeddingRequest(RequestBody):
     @field_validator("input", mode="before")
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
-        value = _check_prompt(value, "input")  # the shapes of a completion's prompt
-        inputs = _batch(value)
-        if any(len(item) == 0 for item in inputs):
-            raise ValueError("input must not be empty (nor hold an empty string or token list)")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise ValueError(
-                f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request"
-            )
-        return value
+        return _check_inputs(value)
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs, each a string or a token-id list."""
         return _batch(self.input)
+
+
+class ClassificationRequest(RequestBody):
+    """POST /classify (vLLM's): a sequence classifier's label probabilities per input."""
+
+    model: str
+    # The shapes of an embeddings input: a string, strings, token ids, lists of token ids.
+    input: str | list[str] | list[int] | list[list[int]]
+    user: Any = None  # accepted, unused
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        return _check_inputs(value)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a string or a token-id list."""
+        return _batch(self.input)
+
+
+class ScoreRequest(RequestBody):
+    """POST /score (vLLM's): a score per pair of texts, one text_1 with every text_2 or the
+    two lists pairwise."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    user: Any = None  # accepted, unused
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+    @field_validator("text_1", "text_2", mode="before")
+    @classmethod
+    def _texts(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_texts(value, info.field_name or "text")
+
+
+class RerankRequest(RequestBody):
+    """POST /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's API, as vLLM serves
+    them): documents ordered by their score against the query."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
+    return_documents: bool = True
+    user: Any = None  # accepted, unused
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+    @field_validator("query", mode="before")
+    @classmethod
+    def _query(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value:
+            raise ValueError("query must not be empty")
+        return value
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError("documents must be a list of strings")
+        return _check_texts(value, "documents")
+
+
+def _check_inputs(value: Any) -> Any:
+    """An embeddings or classification input: a prompt's shapes, none empty, at most
+    MAX_EMBEDDING_INPUTS of them."""
+    value = _check_prompt(value, "input")  # the shapes of a completion's prompt
+    inputs = _batch(value)
+    if any(len(item) == 0 for item in inputs):
+        raise ValueError("input must not be empty (nor hold an empty string or token list)")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(
+            f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request"
+        )
+    return value
+
+
+def _check_texts(value: Any, name: str) -> Any:
+    """A string or a list of strings, none empty, at most MAX_EMBEDDING_INPUTS of them."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{name} must be a string or a list of strings")
+    if not texts or any(not t for t in texts):
+        raise ValueError(f"{name} must not be empty (nor hold an empty string)")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(f"{name} holds {len(texts)} texts; at most {MAX_EMBEDDING_INPUTS}")
+    return value

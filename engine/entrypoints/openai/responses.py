@@ -230,3 +230,61 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[Embedding]
     usage: EmbeddingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the likeliest label
+    probs: list[float]  # each label's probability, in the model's label order
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    """POST /classify's answer: each input's label probabilities, in input order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """POST /score's answer: each pair's score, in pair order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's place in the request
+    document: RerankDocument | None = None  # with return_documents
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    """POST /rerank's answer: the documents by descending relevance, top_n of them."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -55,6 +55,8 @@ class FakeEngine:
         self.steps_per_item = 1
         # Texts to generate instead of SCRIPT: choice i (engine id "...-<i>") gets texts[i].
         self.texts: list[str] | None = None
+        # Values of a pooling request's output (a classifier's: its number of labels).
+        self.pooled_size = EMBEDDING_SIZE
 
     async def generate(
         self, request: EngineCoreRequest, prompt: str | None = None
@@ -112,18 +114,18 @@ class FakeEngine:
                 finished=last,
                 num_cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
                 prompt_logprobs=self._prompt_logprobs(request) if step == 0 else None,
-                pooled=self._pooled(request) if step == 0 else None,
+                pooled=self._pooled(request, self.pooled_size) if step == 0 else None,
             )
 
     @staticmethod
-    def _pooled(request: EngineCoreRequest) -> list[float] | None:
-        """An embedding request's vector (EMBEDDING_SIZE values): its prompt's length, then the
-        first prompt ids, then zeros."""
+    def _pooled(request: EngineCoreRequest, size: int = EMBEDDING_SIZE) -> list[float] | None:
+        """A pooling request's output (`size` values: EMBEDDING_SIZE for an embedding, the
+        labels of a classifier): its prompt's length, then the first prompt ids, then zeros."""
         if request.sampling_params.pooling is None:
             return None
         ids = request.prompt_token_ids
-        values = [float(len(ids)), *map(float, ids[: EMBEDDING_SIZE - 1])]
-        return values + [0.0] * (EMBEDDING_SIZE - len(values))
+        values = [float(len(ids)), *map(float, ids[: size - 1])][:size]
+        return values + [0.0] * (size - len(values))
 
     def _script_ids(self, request: EngineCoreRequest) -> list[int]:
         if self.texts is None:
