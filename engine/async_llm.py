@@ -348,8 +348,10 @@ class AsyncLLM:
         for out in outputs:
             stream = self._streams.get(out.req_id)
             if stream is not None:
-                self._record_tokens(stream, len(out.new_token_ids), out.queue_time, now)
-                num_generated += len(out.new_token_ids)
+                # A pooling request's one token only ends it: it was not generated.
+                generated = 0 if out.pooled is not None else len(out.new_token_ids)
+                self._record_tokens(stream, len(out.new_token_ids), generated, out.queue_time, now)
+                num_generated += generated
         if num_generated and self.metrics is not None:  # one count per step, not per request
             self.metrics.record_tokens(0, num_generated, batch.engine_index)
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
@@ -376,8 +378,14 @@ class AsyncLLM:
         return [out for out in outputs if out.error is None]
 
     def _record_tokens(
-        self, stream: _Stream, num_new: int, queue_time: float | None, now: float
+        self,
+        stream: _Stream,
+        num_new: int,
+        generated: int,
+        queue_time: float | None,
+        now: float,
     ) -> None:
+        """Timings of a request's `num_new` tokens, of which `generated` count as generated."""
         if queue_time is not None:
             stream.queue_time = queue_time
         if num_new == 0:
@@ -390,7 +398,7 @@ class AsyncLLM:
         elif self.metrics is not None:
             self.metrics.record_inter_token(now - stream.last_token_time, stream.engine_index)
         stream.last_token_time = now
-        stream.num_generation_tokens += num_new
+        stream.num_generation_tokens += generated
 
     def _record_finished(self, stream: _Stream, reason: str, now: float | None = None) -> None:
         if self.metrics is None:

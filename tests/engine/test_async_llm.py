@@ -152,3 +152,41 @@ def test_a_request_that_finished_before_its_consumer_left_is_counted_once(tiny_l
     }
     assert finished == {"stop": 0, "length": 1, "abort": 0}
     assert aborted == []  # nothing left to abort in the engine
+
+
+def test_a_pooling_requests_token_counts_as_no_generated_token(tiny_llama_dir):
+    """An embedding's or classification's one token only ends it: prompt tokens and the time
+    to the vector are counted, generated tokens are not."""
+
+    async def run() -> tuple[str, list]:
+        core = _FakeCore()
+        metrics = PrometheusMetrics("tiny")
+        engine = _engine(tiny_llama_dir, core, metrics=metrics)
+        params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last")
+        stream = engine.generate(engine.input_processor.process("p", [10, 11, 12], params))
+        first = asyncio.ensure_future(anext(stream))
+        await core.added.wait()
+        out = EngineCoreOutput("p", [0], "length", pooled=[0.5, -0.5])
+        engine._handle_outputs(EngineCoreOutputs(0, [out]))
+        return metrics.render()[0].decode(), await first
+
+    metrics, outputs = asyncio.run(run())
+    assert outputs[-1].finished and outputs[-1].pooled == [0.5, -0.5]
+    samples = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(
+            (
+                "tidegate:prompt_tokens_total",
+                "tidegate:generation_tokens_total",
+                "tidegate:time_to_first_token_seconds_count",
+                "tidegate:request_generation_tokens_sum",
+            )
+        )
+    }
+    assert samples == {
+        "tidegate:prompt_tokens_total": 3.0,
+        "tidegate:generation_tokens_total": 0.0,
+        "tidegate:time_to_first_token_seconds_count": 1.0,
+        "tidegate:request_generation_tokens_sum": 0.0,
+    }
