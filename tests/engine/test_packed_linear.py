@@ -187,5 +187,18 @@ def test_planning_measures_each_row_count_whole_and_in_pieces_then_leaves_no_pla
     plan = plan_row_splits(packed, max_rows=640, timer=timer)
     assert calls == [320, 320, 384, 384, 448, 448, 512, 512, 640, 640]
     assert plan == [(512, PIECE_ROWS), (640, 0)]
+    # A step's own row count is measured even when the budget stops the sweep short of it,
+    # and decides from there on: pieces win at 320 rows here and lose at 2,000.
+    calls.clear()
+
+    def short_sweep_timer(run):
+        out = run()
+        calls.append(out.shape[0])
+        whole = len(calls) % 2 == 1
+        return 1.0 if whole else (0.5 if out.shape[0] == 320 else 2.0)
+
+    plan = plan_row_splits(packed, max_rows=2000, budget_s=0.0, timer=short_sweep_timer)
+    assert calls == [320, 320, 2000, 2000]
+    assert plan == [(320, PIECE_ROWS), (2000, 0)]
     # Measuring leaves the shape unplanned: products run whole until the plan is set.
     assert plan_row_splits(packed, max_rows=PIECE_ROWS, timer=timer) == []
