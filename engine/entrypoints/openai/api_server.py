@@ -77,6 +77,15 @@ from tidegate.engine.model.config import ModelConfig
 from tidegate.engine.pooling import read_pooling_config
 from tidegate.engine.scoring import read_score_activation
 
+# Bodies of the routes that run the engine.
+EngineRequestBody = (
+    CompletionRequest
+    | ChatCompletionRequest
+    | EmbeddingRequest
+    | ClassificationRequest
+    | ScoreRequest
+    | RerankRequest
+)
 # Probes and scrapers reach these without the API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
 _EMPTY_METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -192,15 +201,7 @@ def build_app(
             return None
         return loras.resolve(name)
 
-    def salt(
-        body: CompletionRequest
-        | ChatCompletionRequest
-        | EmbeddingRequest
-        | ClassificationRequest
-        | ScoreRequest
-        | RerankRequest,
-        request: HTTPRequest,
-    ) -> None:
+    def salt(body: EngineRequestBody, request: HTTPRequest) -> None:
         if cache_salt_header is not None:
             body.cache_salt = tenant_cache_salt(request.headers, cache_salt_header)
 
@@ -210,6 +211,14 @@ def build_app(
     def check_alive() -> None:
         if engine.is_dead:
             raise EngineDeadError(engine.dead_reason or "an engine process died")
+
+    def admit(body: EngineRequestBody, request: HTTPRequest) -> LoRARequest | None:
+        """What every request that runs the engine goes through first: the engine is alive,
+        `model` names the base model or an adapter (returned), and the tenant's cache salt."""
+        check_alive()
+        lora = resolve_model(body.model)
+        salt(body, request)
+        return lora
 
     def card(name: str) -> ModelCard:
         lora = loras.registry.get(name) if loras is not None else None
@@ -230,9 +239,7 @@ def build_app(
         responses=generation_responses(CompletionResponse, CompletionResponse),
     )
     async def create_completion(body: CompletionRequest, request: HTTPRequest) -> Response:
-        check_alive()
-        lora = resolve_model(body.model)
-        salt(body, request)
+        lora = admit(body, request)
         refused = await prefill.prefill(COMPLETIONS_PATH, body, request)
         if refused is not None:
             return refused
@@ -243,9 +250,7 @@ def build_app(
         responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        check_alive()
-        lora = resolve_model(body.model)
-        salt(body, request)
+        lora = admit(body, request)
         refused = await prefill.prefill(CHAT_PATH, body, request)
         if refused is not None:
             return refused
@@ -253,56 +258,37 @@ def build_app(
 
     @app.post(EMBEDDINGS_PATH, response_model=EmbeddingResponse, responses=error_responses("4XX"))
     async def create_embedding(body: EmbeddingRequest, request: HTTPRequest) -> Response:
-        check_alive()
-        lora = resolve_model(body.model)
-        salt(body, request)
+        lora = admit(body, request)
         if embeddings is None:
             raise ValueError(f"this server embeds nothing: {no_embeddings}")
         return await embeddings.create(body, request, lora, tenant(request))
 
-    for path in CLASSIFY_PATHS:
+    async def create_classification(body: ClassificationRequest, request: HTTPRequest) -> Response:
+        lora = admit(body, request)
+        return await scoring.classify(body, request, lora, tenant(request))
 
-        @app.post(
-            path,
-            response_model=ClassificationResponse,
-            responses=error_responses("4XX"),
-            include_in_schema=path.startswith("/v1/"),  # the others are aliases
-        )
-        async def create_classification(
-            body: ClassificationRequest, request: HTTPRequest
-        ) -> Response:
-            check_alive()
-            lora = resolve_model(body.model)
-            salt(body, request)
-            return await scoring.classify(body, request, lora, tenant(request))
+    async def create_score(body: ScoreRequest, request: HTTPRequest) -> Response:
+        lora = admit(body, request)
+        return await scoring.score(body, request, lora, tenant(request))
 
-    for path in SCORE_PATHS:
+    async def create_rerank(body: RerankRequest, request: HTTPRequest) -> Response:
+        lora = admit(body, request)
+        return await scoring.rerank(body, request, lora, tenant(request), served_model_names[0])
 
-        @app.post(
-            path,
-            response_model=ScoreResponse,
-            responses=error_responses("4XX"),
-            include_in_schema=path.startswith("/v1/"),  # the others are aliases
-        )
-        async def create_score(body: ScoreRequest, request: HTTPRequest) -> Response:
-            check_alive()
-            lora = resolve_model(body.model)
-            salt(body, request)
-            return await scoring.score(body, request, lora, tenant(request))
-
-    for path in RERANK_PATHS:
-
-        @app.post(
-            path,
-            response_model=RerankResponse,
-            responses=error_responses("4XX"),
-            include_in_schema=path.startswith("/v1/"),  # the others are aliases
-        )
-        async def create_rerank(body: RerankRequest, request: HTTPRequest) -> Response:
-            check_alive()
-            lora = resolve_model(body.model)
-            salt(body, request)
-            return await scoring.rerank(body, request, lora, tenant(request), served_model_names[0])
+    for paths, response_model, handler in (
+        (CLASSIFY_PATHS, ClassificationResponse, create_classification),
+        (SCORE_PATHS, ScoreResponse, create_score),
+        (RERANK_PATHS, RerankResponse, create_rerank),
+    ):
+        for path in paths:
+            app.add_api_route(
+                path,
+                handler,
+                methods=["POST"],
+                response_model=response_model,
+                responses=error_responses("4XX"),
+                include_in_schema=path.startswith("/v1/"),  # the others are aliases
+            )
 
     @app.get("/v1/models", responses=error_responses("4XX"))
     async def list_models() -> ModelList:

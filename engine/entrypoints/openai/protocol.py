@@ -507,64 +507,63 @@ class UnloadLoRAAdapterRequest(RequestBody):
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class EmbeddingRequest(RequestBody):
-    """POST /v1/embeddings: one vector per input."""
+class PoolingRequestBody(RequestBody):
+    """What the bodies of the pooling routes (embeddings, classify, score, rerank) share:
+    OpenAI's `user`, and vLLM's prefix-cache tenant salt and admission priority."""
+
+    user: Any = None  # accepted, unused
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+
+
+class InputsRequest(PoolingRequestBody):
+    """A pooling body whose `input` is a string, a list of strings, a token-id list, or a list
+    of token-id lists: none empty, at most MAX_EMBEDDING_INPUTS."""
 
     model: str
-    # A string, a list of strings, a token-id list, or a list of token-id lists; none empty.
     input: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        value = _check_prompt(value, "input")  # the shapes of a completion's prompt
+        inputs = _batch(value)
+        if any(len(item) == 0 for item in inputs):
+            raise ValueError("input must not be empty (nor hold an empty string or token list)")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(
+                f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request"
+            )
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a string or a token-id list."""
+        return _batch(self.input)
+
+
+class EmbeddingRequest(InputsRequest):
+    """POST /v1/embeddings: one vector per input."""
+
     encoding_format: Literal["float", "base64"] | None = "float"
     # The leading dimensions kept (Matryoshka models), normalised again.
     dimensions: int | None = Field(default=None, ge=1)
-    user: Any = None  # accepted, unused
-    # vLLM's fields: whether the vector is scaled to unit length (None: as the model's folder
-    # says), the prefix cache's tenant salt, and the admission priority.
+    # vLLM's: whether the vector is scaled to unit length (None: as the model's folder says).
     normalize: bool | None = None
-    cache_salt: str | None = None
-    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
 
     _null_encoding_format = null_is_default("encoding_format")
 
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_shape(cls, value: Any) -> Any:
-        return _check_inputs(value)
 
-    def inputs(self) -> list[str | list[int]]:
-        """The inputs, each a string or a token-id list."""
-        return _batch(self.input)
-
-
-class ClassificationRequest(RequestBody):
+class ClassificationRequest(InputsRequest):
     """POST /classify (vLLM's): a sequence classifier's label probabilities per input."""
 
-    model: str
-    # The shapes of an embeddings input: a string, strings, token ids, lists of token ids.
-    input: str | list[str] | list[int] | list[list[int]]
-    user: Any = None  # accepted, unused
-    cache_salt: str | None = None
-    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
 
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_shape(cls, value: Any) -> Any:
-        return _check_inputs(value)
-
-    def inputs(self) -> list[str | list[int]]:
-        """The inputs, each a string or a token-id list."""
-        return _batch(self.input)
-
-
-class ScoreRequest(RequestBody):
+class ScoreRequest(PoolingRequestBody):
     """POST /score (vLLM's): a score per pair of texts, one text_1 with every text_2 or the
     two lists pairwise."""
 
     model: str
     text_1: str | list[str]
     text_2: str | list[str]
-    user: Any = None  # accepted, unused
-    cache_salt: str | None = None
-    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
 
     @field_validator("text_1", "text_2", mode="before")
     @classmethod
@@ -572,7 +571,7 @@ class ScoreRequest(RequestBody):
         return _check_texts(value, info.field_name or "text")
 
 
-class RerankRequest(RequestBody):
+class RerankRequest(PoolingRequestBody):
     """POST /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's API, as vLLM serves
     them): documents ordered by their score against the query."""
 
@@ -581,9 +580,6 @@ class RerankRequest(RequestBody):
     documents: list[str]
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
-    user: Any = None  # accepted, unused
-    cache_salt: str | None = None
-    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
 
     @field_validator("query", mode="before")
     @classmethod
@@ -598,20 +594,6 @@ class RerankRequest(RequestBody):
         if isinstance(value, str):
             raise ValueError("documents must be a list of strings")
         return _check_texts(value, "documents")
-
-
-def _check_inputs(value: Any) -> Any:
-    """An embeddings or classification input: a prompt's shapes, none empty, at most
-    MAX_EMBEDDING_INPUTS of them."""
-    value = _check_prompt(value, "input")  # the shapes of a completion's prompt
-    inputs = _batch(value)
-    if any(len(item) == 0 for item in inputs):
-        raise ValueError("input must not be empty (nor hold an empty string or token list)")
-    if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise ValueError(
-            f"input holds {len(inputs)} items; at most {MAX_EMBEDDING_INPUTS} per request"
-        )
-    return value
 
 
 def _check_texts(value: Any, name: str) -> Any:

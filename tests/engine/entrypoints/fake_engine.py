@@ -25,6 +25,13 @@ SCRIPT = " the cat sat on the mat and looked at the dog."
 EMBEDDING_SIZE = 8
 
 
+def pooled_values(ids: list[int], size: int = EMBEDDING_SIZE) -> list[float]:
+    """What the scripted engine pools for a prompt (`size` values: EMBEDDING_SIZE for an
+    embedding, a classifier's labels): the prompt's length, then its first ids, then zeros."""
+    values = [float(len(ids)), *map(float, ids[: size - 1])][:size]
+    return values + [0.0] * (size - len(values))
+
+
 class FakeEngine:
     """The interface AsyncLLM gives the API server, generating SCRIPT instead of running a model."""
 
@@ -119,13 +126,10 @@ class FakeEngine:
 
     @staticmethod
     def _pooled(request: EngineCoreRequest, size: int = EMBEDDING_SIZE) -> list[float] | None:
-        """A pooling request's output (`size` values: EMBEDDING_SIZE for an embedding, the
-        labels of a classifier): its prompt's length, then the first prompt ids, then zeros."""
+        """A pooling request's output (pooled_values); None for any other request."""
         if request.sampling_params.pooling is None:
             return None
-        ids = request.prompt_token_ids
-        values = [float(len(ids)), *map(float, ids[: size - 1])][:size]
-        return values + [0.0] * (size - len(values))
+        return pooled_values(request.prompt_token_ids, size)
 
     def _script_ids(self, request: EngineCoreRequest) -> list[int]:
         if self.texts is None:

@@ -11,14 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.engine.entrypoints.fake_engine import EMBEDDING_SIZE, MODEL, SyncAPI
+from tests.engine.entrypoints.fake_engine import EMBEDDING_SIZE, MODEL, SyncAPI, pooled_values
 from tidegate.engine.entrypoints.openai.api_server import build_app
-
-
-def vector_of(ids: list[int]) -> list[float]:
-    """What the scripted engine pools for a prompt (fake_engine.FakeEngine._pooled)."""
-    values = [float(len(ids)), *map(float, ids[: EMBEDDING_SIZE - 1])]
-    return values + [0.0] * (EMBEDDING_SIZE - len(values))
 
 
 def unit(values: list[float]) -> list[float]:
@@ -42,7 +36,7 @@ def test_every_input_shape_gets_its_vector_in_order(api, engine):
         assert [item["index"] for item in body["data"]] == list(range(len(prompts)))
         for item, prompt in zip(body["data"], prompts, strict=True):
             assert item["object"] == "embedding"
-            assert item["embedding"] == pytest.approx(unit(vector_of(prompt)))
+            assert item["embedding"] == pytest.approx(unit(pooled_values(prompt)))
         count = sum(len(p) for p in prompts)
         assert body["usage"] == {"prompt_tokens": count, "total_tokens": count}
         # One greedy token each, pooled as the folder says (no modules.json: the last token).
@@ -53,7 +47,7 @@ def test_every_input_shape_gets_its_vector_in_order(api, engine):
 
 def test_dimensions_normalize_and_base64(api, engine):
     ids = engine.tokenizer.encode("the cat sat")
-    raw = vector_of(ids)
+    raw = pooled_values(ids)
     ask = {"model": MODEL, "input": "the cat sat"}
     cut = api.post("/v1/embeddings", {**ask, "dimensions": 3}).json()["data"][0]["embedding"]
     assert cut == pytest.approx(unit(raw[:3]))
@@ -108,5 +102,5 @@ def test_a_folder_that_pools_otherwise_serves_completions_but_no_embeddings(
         build_app(engine, served_model_names=[MODEL], model_path=str(folder), pooling="mean")
     )
     body = api.post("/v1/embeddings", {"model": MODEL, "input": [4, 5]}).json()
-    assert body["data"][0]["embedding"] == vector_of([4, 5])
+    assert body["data"][0]["embedding"] == pooled_values([4, 5])
     assert engine.submitted[-1].sampling_params.pooling == "mean"

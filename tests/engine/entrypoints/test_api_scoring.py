@@ -13,15 +13,9 @@ import shutil
 
 import pytest
 
-from tests.engine.entrypoints.fake_engine import MODEL, SyncAPI
+from tests.engine.entrypoints.fake_engine import MODEL, SyncAPI, pooled_values
 from tidegate.engine.entrypoints.openai.api_server import build_app
 from tidegate.engine.scoring import cosine_similarity, sigmoid, softmax
-
-
-def pooled(ids: list[int], size: int) -> list[float]:
-    """What the scripted engine pools for a prompt."""
-    values = [float(len(ids)), *map(float, ids[: size - 1])][:size]
-    return values + [0.0] * (size - len(values))
 
 
 def classifier_folder(tiny_llama_dir, tmp_path, labels: list[str], **extra) -> str:
@@ -65,7 +59,7 @@ def test_classify_gives_each_input_its_label_probabilities(classifier, engine, p
     assert body["id"].startswith("classify-")
     ids = [engine.tokenizer.encode(text) for text in inputs]
     for index, (item, prompt) in enumerate(zip(body["data"], ids, strict=True)):
-        want = softmax(pooled(prompt, 3))
+        want = softmax(pooled_values(prompt, 3))
         assert item["index"] == index and item["num_classes"] == 3
         assert item["probs"] == pytest.approx(want)
         assert item["label"] == ["neg", "neutral", "pos"][want.index(max(want))]
@@ -90,7 +84,7 @@ def test_a_cross_encoder_scores_each_pair_read_as_one_prompt(reranker, engine, p
     pairs = [engine.tokenizer.encode_pair("the tide", t) for t in ("comes in", "goes out")]
     assert [r.prompt_token_ids for r in engine.submitted] == pairs
     assert [d["score"] for d in body["data"]] == pytest.approx(
-        [sigmoid(pooled(p, 1)[0]) for p in pairs]
+        [sigmoid(pooled_values(p, 1)[0]) for p in pairs]
     )
     assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "score"), (1, "score")]
     assert body["usage"]["prompt_tokens"] == sum(map(len, pairs))
@@ -145,7 +139,7 @@ def test_an_embedding_model_scores_by_cosine_similarity(embedder, engine):
     body = embedder.post(
         "/score", {"model": MODEL, "text_1": "the tide", "text_2": ["comes in", "the tide"]}
     ).json()
-    vectors = {t: pooled(engine.tokenizer.encode(t), 8) for t in ("the tide", "comes in")}
+    vectors = {t: pooled_values(engine.tokenizer.encode(t), 8) for t in ("the tide", "comes in")}
     assert [d["score"] for d in body["data"]] == pytest.approx(
         [cosine_similarity(vectors["the tide"], vectors["comes in"]), 1.0]
     )
