@@ -403,6 +403,13 @@ class EngineArgs(BaseModel):
         "load, benchmarks/README.md), else the system's; tcmalloc: fail "
         "without it; system: glibc's. An LD_PRELOAD that already names a malloc is kept.",
     )
+    cpu_huge_pages: bool = Field(
+        True,
+        description="On CPU, keep the weights and the KV cache on transparent huge pages "
+        "where the kernel offers them (THP always or madvise): fewer TLB misses when a step "
+        "reads every layer's weights (engine/huge_pages.py; benchmarks/README.md, Huge "
+        "pages). Off: the allocators' 4 KiB pages.",
+    )
 
     @property
     def world_size(self) -> int:

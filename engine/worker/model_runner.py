@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from tidegate.engine import huge_pages
 from tidegate.engine.attention import AttentionMetadata, get_attention_backend
 from tidegate.engine.attention.backend import kv_cache_dtype
 from tidegate.engine.config import EngineArgs
@@ -109,6 +111,21 @@ class ModelRunner:
                 # Triton too: kernels that read only static buffers, as CUDA graphs need.
                 use_triton=self.attn_backend.name == "triton",
             )
+        # The weights, for the worker's lifetime: onto huge pages (fewer TLB misses).
+        self.huge_pager = None
+        if device.type == "cpu" and args.cpu_huge_pages:
+            self.huge_pager = huge_pages.HugePager()
+            backed = self.huge_pager.back(
+                huge_pages.model_extents(self.model), budget_s=huge_pages.WEIGHTS_BUDGET_S
+            )
+            if backed.advised:
+                logger.info(
+                    "weights on huge pages: %.0f of %.0f MiB in %.2f s%s",
+                    backed.collapsed / 2**20,
+                    backed.advised / 2**20,
+                    backed.seconds,
+                    f" ({backed.note})" if backed.note else "",
+                )
         self.compilation_level = compilation.resolve_compilation_level(
             args, device, self.attn_backend.cuda_graph_safe
         )
@@ -165,13 +182,21 @@ class ModelRunner:
         layout = self.attn_backend.kv_layout
         shape = layout.shape(num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+        # On CPU, on huge pages: attention reads the cache scattered by the block tables.
+        if self.huge_pager is not None:
+            allocate = functools.partial(self.huge_pager.zeros, shape, self.kv_cache_dtype)
+        else:
+            allocate = functools.partial(
+                torch.zeros, shape, dtype=self.kv_cache_dtype, device=self.device
             )
-            for _ in range(self.model.num_local_layers)
-        ]
+        self.kv_caches = [(allocate(), allocate()) for _ in range(self.model.num_local_layers)]
+        if self.huge_pager is not None and huge_pages.available():
+            logger.info(
+                "KV cache on huge pages: %.0f of %.0f MiB at start%s",
+                self.huge_pager.committed_huge / 2**20,
+                sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**20,
+                "" if self.huge_pager.cheap else f" ({self.huge_pager.slow_note()})",
+            )
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

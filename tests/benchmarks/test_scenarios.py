@@ -199,6 +199,23 @@ def test_embeddings_alternate_both_engines_and_compare_their_vectors(tmp_path, s
 
 
 @pytest.mark.slow
+def test_huge_pages_runs_both_engines_on_both_workloads(tmp_path):
+    out = tmp_path / "huge_pages.json"
+    command = [sys.executable, str(BENCHMARKS / "huge_pages.py"), "--size", "tiny"]
+    command += ["--repeats", "2", "--embed-inputs", "4", "--embed-len", "4", "40"]
+    command += ["--prompts", "2", "--input-len", "16", "--output-len", "4", "--out", str(out)]
+    subprocess.run(command, check=True, timeout=300)
+    record = json.loads(out.read_text())
+    for workload in ("embed", "generate"):
+        results = record["results"][workload]
+        for engine in ("huge pages", "4 KiB pages"):
+            assert len(results[engine]["rounds"]) == 2 and results[engine]["tokens_per_s"] > 0
+        assert results["huge_over_4k"] > 0
+    assert set(record["memory"]) == {"huge pages", "4 KiB pages"}
+    assert record["memory"]["huge pages"]["weights_mib"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "section"), [("llama", ""), ("qwen3_moe", "-qwen3_moe")])
 def test_offline_throughput_compares_tidegate_and_transformers(tmp_path, arch, section):
     readme = tmp_path / "README.md"
