@@ -63,6 +63,20 @@ def _scaled(server: LocalServer) -> list[tuple[int, int]]:
     ]
 
 
+def _replica_url(server: LocalServer, index: int) -> str:
+    """Replica `index`'s address, from the table up prints at start (every possible replica)."""
+    found = re.search(rf"unified\s+\S+-{index}\s+\S+\s+(http://\S+)", server.log())
+    assert found, server.log()
+    return found.group(1)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _wait(condition, server: LocalServer, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
@@ -139,6 +153,9 @@ def test_a_pool_goes_from_zero_to_one_to_two_and_back_to_zero_losing_nothing(
     try:
         _wait(lambda: (1, 2) in _scaled(server), server, "scale-up to 2")
         _wait(lambda: len(_engines(server)) == 2, server, "second replica")
+        # Ready, not only started: on a loaded machine a replica's start took 27 s, and long
+        # streams begun before then all went to the first one and ended before the drain.
+        _wait(lambda: _healthy(_replica_url(server, 1)), server, "second replica ready")
         # One replica's worth of long streams, spread over both, then the load stops: the
         # pool shrinks to one while they run, and the replica turned off drains its own.
         long: list[tuple[int, str | None]] = []
